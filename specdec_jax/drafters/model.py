@@ -1,0 +1,112 @@
+"""A draft model with its own KV cache, and the oracle drafter built on it.
+
+Each round the drafter first feeds the 2-token window `[token at n-1, t0]` at
+slots n-1, n (n = committed tokens in the target cache), then gamma-1 single
+drafted tokens. The window rewrites slot n-1, which holds the previous round's
+last draft d_gamma when all drafts were accepted: that token was never fed to
+the drafter (the all-accepted trap of DESIGN section 2). With a 1-token prompt
+(n = 0) the window starts at slot 0 and the logits of t0 are read at index 0.
+
+The oracle drafter is this drafter run with the *target's* weights, greedy,
+each proposal replaced by a wrong token with probability 1 - alpha: greedy
+acceptance is then i.i.d. Bernoulli(alpha) per position and tokens per round
+follow the closed form `(1 - alpha^(gamma+1)) / (1 - alpha)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.drafters.base import CORRUPT_TAG, DRAFT_TAG, DraftContext, Proposal
+from specdec_jax.models.llama import LlamaConfig, forward
+from specdec_jax.sampling import RowSampling, process_logits, token_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """Draft with a (smaller) Llama of the target's tokenizer.
+
+    config: the draft model's architecture. params: its weights (not hashed).
+    corrupt_alpha: None for a real draft model (drafts drawn from its processed
+      law q); a float for the oracle (greedy proposals kept with probability
+      alpha, q a point mass).
+    """
+
+    config: LlamaConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    corrupt_alpha: float | None = None
+    name: str = "draft-model"
+
+    def init(self, params, prompts, prompt_lens, capacity):
+        cache = self.config.init_cache(prompts.shape[0], capacity)
+        _, cache = forward(self.config, params, prompts, cache, compute_logits=False)
+        return cache
+
+    def propose(self, params, cache, ctx: DraftContext, gamma: int):
+        n = ctx.num_tokens - 1  # slot of t0
+        start = jnp.maximum(n - 1, 0)
+        window = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
+        logits, cache = forward(self.config, params, window, cache.with_lengths(start))
+        logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,V]
+        counts = _history_counts(ctx, self.config.vocab_size)
+        keep_probs = ctx.sampling.any_sampled and self.corrupt_alpha is None
+
+        def pick(logits, counts, step):
+            law = process_logits(logits, ctx.sampling, counts)  # f32[B,V]
+            keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, DRAFT_TAG), step))(ctx.row_keys)
+            token = _draw(keys, law, ctx.sampling)
+            if self.corrupt_alpha is not None:
+                token = _corrupt(keys, token, self.corrupt_alpha, self.config.vocab_size)
+            if counts is not None:
+                counts = counts.at[jnp.arange(token.shape[0]), token].add(1.0)
+            return token, (law if keep_probs else None), counts
+
+        def step(carry, index):
+            logits, counts, cache = carry
+            token, law, counts = pick(logits, counts, index)
+            next_logits, cache = forward(self.config, params, token[:, None], cache.with_lengths(n + 1 + index))
+            return (next_logits[:, 0], counts, cache), (token, law)
+
+        (logits, counts, cache), (tokens, laws) = jax.lax.scan(
+            step, (logits, counts, cache), jnp.arange(gamma - 1)
+        )
+        last, last_law, _ = pick(logits, counts, gamma - 1)
+        drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
+        probs = None if not keep_probs else jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)
+        num_draft = jnp.full((drafts.shape[0],), gamma, jnp.int32)
+        return Proposal(drafts.astype(jnp.int32), num_draft, probs), cache
+
+
+def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:
+    """The oracle: the target's own greedy next tokens, each wrong with probability 1 - alpha."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"oracle alpha must be in [0, 1], got {alpha}")
+    return ModelDrafter(target_config, target_params, corrupt_alpha=float(alpha), name="oracle")
+
+
+def _history_counts(ctx: DraftContext, vocab: int):
+    """f32[B,V] token counts of the committed sequence, or None without penalties."""
+    if not ctx.sampling.use_penalties:
+        return None
+    return token_counts(ctx.tokens, ctx.num_tokens, vocab)
+
+
+def _draw(keys, law, sampling: RowSampling):
+    """i32[B]: argmax for greedy rows, a draw from `law` f32[B,V] for sampled rows."""
+    greedy = jnp.argmax(law, axis=-1)
+    if not sampling.any_sampled:
+        return greedy.astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(law))
+    return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+
+def _corrupt(keys, token, alpha: float, vocab: int):
+    """Keep each token with probability alpha, else replace it by a uniformly wrong one."""
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, CORRUPT_TAG))(keys)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(keys)
+    offset = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 1), (), 1, vocab))(keys)
+    return jnp.where(keep, token, (token + offset) % vocab).astype(jnp.int32)

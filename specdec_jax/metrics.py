@@ -1,0 +1,73 @@
+"""Acceptance statistics, counted on device per live row and round (DESIGN section 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class Counters:
+    rounds: jax.Array  # i32[B] rounds in which the row was live
+    drafted: jax.Array  # i32[B] sum of num_draft
+    accepted: jax.Array  # i32[B] accepted drafts that were emitted
+    emitted: jax.Array  # i32[B] tokens emitted (bonus/correction included)
+    position_proposed: jax.Array  # i32[G] rounds that proposed at least i+1 drafts
+    position_accepted: jax.Array  # i32[G] rounds whose draft i+1 was accepted
+
+    @classmethod
+    def zeros(cls, batch: int, gamma: int) -> Counters:
+        row, pos = jnp.zeros((batch,), jnp.int32), jnp.zeros((gamma,), jnp.int32)
+        return cls(row, row, row, row, pos, pos)
+
+    def add_round(self, live, num_draft, n_accepted, n_emit) -> Counters:
+        """live bool[B], num_draft/n_accepted/n_emit i32[B] of one round."""
+        live_i = live.astype(jnp.int32)
+        used = jnp.minimum(n_accepted, n_emit) * live_i  # accepted drafts cut by EOS/budget are not counted
+        positions = jnp.arange(self.position_proposed.shape[0])[None, :]
+        return Counters(
+            rounds=self.rounds + live_i,
+            drafted=self.drafted + num_draft * live_i,
+            accepted=self.accepted + used,
+            emitted=self.emitted + n_emit * live_i,
+            position_proposed=self.position_proposed + jnp.sum((positions < (num_draft * live_i)[:, None]), 0),
+            position_accepted=self.position_accepted + jnp.sum((positions < used[:, None]), 0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """Batch totals over real rows. mean_accepted_length = emitted / rounds (plain decoding: 1.0)."""
+
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    mean_accepted_length: float
+    acceptance_rate: float  # accepted / drafted (nan when nothing was drafted)
+    per_position_acceptance: list[float]  # accepted at draft i+1 / rounds proposing >= i+1 drafts
+
+    @classmethod
+    def from_counters(cls, counters: Counters, num_rows: int) -> Metrics:
+        c = jax.tree.map(np.asarray, counters)
+        rounds, drafted = int(c.rounds[:num_rows].sum()), int(c.drafted[:num_rows].sum())
+        accepted, emitted = int(c.accepted[:num_rows].sum()), int(c.emitted[:num_rows].sum())
+        per_position = [
+            float(a / p) if p else float("nan") for a, p in zip(c.position_accepted, c.position_proposed)
+        ]
+        return cls(
+            rounds=rounds,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            emitted_tokens=emitted,
+            mean_accepted_length=emitted / rounds if rounds else float("nan"),
+            acceptance_rate=accepted / drafted if drafted else float("nan"),
+            per_position_acceptance=per_position,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

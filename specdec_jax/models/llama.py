@@ -1,0 +1,273 @@
+"""Llama decoder (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU).
+
+The forward pass is a pure function of a flat dict of stacked weight arrays,
+:func:`forward`; :class:`Llama` is the ``flax.nnx`` container that owns those
+arrays (random init, loading, ``nnx.split``/optimizers), and :func:`split_model`
+hands out ``(apply_fn, params)`` for jitted decode loops.
+
+Weight layout (``L`` layers, ``H`` hidden, ``N``/``K`` query/kv heads of size
+``D``, ``I`` MLP width, ``V`` vocab). Matrices are ``[in, out]`` so ``y = x @ w``;
+a Hugging Face ``nn.Linear.weight`` is ``[out, in]`` and must be transposed, then
+stacked over layers (HF's q/k weights already use the rotate-half RoPE order)::
+
+    embed       [V, H]          model.embed_tokens.weight
+    attn_norm   [L, H]          layers.*.input_layernorm.weight
+    wq          [L, H, N*D]     layers.*.self_attn.q_proj.weight.T
+    wk          [L, H, K*D]     layers.*.self_attn.k_proj.weight.T
+    wv          [L, H, K*D]     layers.*.self_attn.v_proj.weight.T
+    wo          [L, N*D, H]     layers.*.self_attn.o_proj.weight.T
+    mlp_norm    [L, H]          layers.*.post_attention_layernorm.weight
+    w_gate      [L, H, I]       layers.*.mlp.gate_proj.weight.T
+    w_up        [L, H, I]       layers.*.mlp.up_proj.weight.T
+    w_down      [L, I, H]       layers.*.mlp.down_proj.weight.T
+    final_norm  [H]             model.norm.weight
+    lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
+
+Cache semantics (DESIGN section 3): input token ``s`` of row ``b`` sits at slot and
+RoPE position ``cache.lengths[b] + s``; its keys/values are written there (slots
+``>= T`` are dropped, so the caller must size ``T``); query ``(b, s)`` sees key slot
+``j`` iff ``j <= lengths[b] + s``. ``lengths`` is returned unchanged.
+
+Matrix products run in the weights' dtype (float32 by default); RMSNorm, softmax
+and logits are computed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specdec_jax.kv_cache import KVCache
+
+Params = dict[str, jax.Array]
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+# Random init: embeddings and head ~ N(0, (LOGIT_STD / sqrt(H))^2) so that the
+# logits of a unit-RMS final hidden state have std ~ LOGIT_STD (a clear argmax,
+# a non-uniform law); projections ~ N(0, 1 / fan_in).
+LOGIT_STD = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static, hashable architecture description."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("rope_theta and rms_norm_eps must be positive")
+
+    def init_cache(self, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+        """An empty :class:`KVCache` shaped for this model."""
+        return KVCache.init(self.num_layers, batch, capacity, self.num_kv_heads, self.head_dim,
+                            dtype)
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight array (see the module docstring)."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (V, H),
+        "attn_norm": (L, H),
+        "wq": (L, H, q_out),
+        "wk": (L, H, kv_out),
+        "wv": (L, H, kv_out),
+        "wo": (L, q_out, H),
+        "mlp_norm": (L, H),
+        "w_gate": (L, H, I),
+        "w_up": (L, H, I),
+        "w_down": (L, I, H),
+        "final_norm": (H,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (H, V)
+    return shapes
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
+    """Random float32 weights (scales in ``LOGIT_STD``'s comment); norms are ones.
+
+    Drawn with a numpy generator seeded by the key's data: deterministic in
+    ``key``, and no XLA compile per shape (threefry compiles take seconds on CPU).
+    """
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    embed_std = LOGIT_STD / math.sqrt(cfg.hidden_size)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm"):
+            params[name] = np.ones(shape, np.float32)
+            continue
+        std = embed_std if name in ("embed", "lm_head") else 1.0 / math.sqrt(shape[-2])
+        params[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return params
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``x: [..., H]`` scaled to unit RMS (in float32), times ``weight: [H]``."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """``positions: i32[B,S]`` -> ``(cos, sin): f32[B,S,1,D]`` in rotate-half order."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # f32[B,S,D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x: [B,S,heads,D]`` as HF ``apply_rotary_pos_emb`` (rotate_half)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Grouped-query attention of the block over cache slots.
+
+    ``q: [B,S,N,D]``, ``k, v: [B,W,K,D]`` (slots ``0..W-1``; ``W = T`` now, a
+    bucketed prefix window later), ``positions: i32[B,S]``. Query ``(b, s)`` sees
+    slot ``j`` iff ``j <= positions[b, s]``. Returns ``[B,S,N,D]``.
+    """
+    batch, steps, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # bool[B,S,W]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(batch, steps, num_heads, head_dim)
+
+
+def forward(
+    cfg: LlamaConfig,
+    params: Mapping[str, jax.Array],
+    tokens: jax.Array,
+    cache: KVCache,
+    *,
+    compute_logits: bool = True,
+) -> tuple[jax.Array | None, KVCache]:
+    """One pure pass of ``tokens: i32[B,S]`` at slots ``cache.lengths[b] + s``.
+
+    Returns ``(logits f32[B,S,V] or None when not compute_logits, cache)``; the
+    cache holds the block's keys/values and the same ``lengths``. Layers run in a
+    ``lax.scan`` over the stacked weights; the cache rides in the carry so each
+    layer scatters only its S new slots.
+    """
+    batch, steps = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # i32[B,S]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+
+    def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
+        return y.reshape(batch, steps, num, cfg.head_dim)
+
+    def layer(carry, xs):
+        x, cache = carry  # f32[B,S,H]
+        w, index = xs
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q = apply_rope(heads(h @ w["wq"], cfg.num_heads), cos, sin)
+        k = apply_rope(heads(h @ w["wk"], cfg.num_kv_heads), cos, sin)
+        cache = cache.write(index, k, heads(h @ w["wv"], cfg.num_kv_heads))
+        attn = attention(q, cache.k[index], cache.v[index], positions)
+        x = x + attn.reshape(batch, steps, -1) @ w["wo"]
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return (x, cache), None
+
+    stacked = {name: params[name] for name in LAYER_PARAMS}
+    x = params["embed"][tokens]
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
+    if not compute_logits:
+        return None, cache
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) @ head
+    return logits.astype(jnp.float32), cache
+
+
+def check_params(cfg: LlamaConfig, arrays: Mapping[str, object]) -> None:
+    """Raises ValueError unless ``arrays`` has exactly ``param_shapes(cfg)``."""
+    expected = param_shapes(cfg)
+    missing, extra = expected.keys() - arrays.keys(), arrays.keys() - expected.keys()
+    if missing or extra:
+        raise ValueError(
+            f"weight names differ: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, shape in expected.items():
+        if tuple(np.shape(arrays[name])) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(np.shape(arrays[name]))}")
+
+
+class Llama(nnx.Module):
+    """``nnx`` container of the weights in :func:`param_shapes`, one ``nnx.Param`` each.
+
+    ``Llama(cfg, rngs=nnx.Rngs(seed))`` draws random weights (:func:`init_params`);
+    ``Llama.from_arrays(cfg, arrays)`` wraps given arrays (dtype kept).
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs | None = None,
+                 arrays: Mapping[str, object] | None = None):
+        if (rngs is None) == (arrays is None):
+            raise ValueError("pass exactly one of rngs= (random init) or arrays=")
+        if arrays is None:
+            arrays = init_params(config, rngs.params())
+        check_params(config, arrays)
+        self.config = config
+        for name in param_shapes(config):
+            setattr(self, name, nnx.Param(jnp.asarray(arrays[name])))
+
+    @classmethod
+    def from_arrays(cls, config: LlamaConfig, arrays: Mapping[str, object]) -> Llama:
+        """Builds a model from ``{name: array}`` laid out as in :func:`param_shapes`."""
+        return cls(config, arrays=arrays)
+
+    def params(self) -> Params:
+        """The weights as a flat ``{name: array}`` dict (the layout of :func:`param_shapes`)."""
+        return {name: getattr(self, name)[...] for name in param_shapes(self.config)}
+
+    def __call__(self, tokens: jax.Array, cache: KVCache, *,
+                 compute_logits: bool = True) -> tuple[jax.Array | None, KVCache]:
+        """:func:`forward` with this model's weights."""
+        return forward(self.config, self.params(), tokens, cache, compute_logits=compute_logits)
+
+
+ApplyFn = Callable[..., tuple[jax.Array | None, KVCache]]
+
+
+def split_model(model: Llama) -> tuple[ApplyFn, Params]:
+    """``(apply_fn, params)`` with ``apply_fn(params, tokens, cache, *, compute_logits=True)``.
+
+    ``apply_fn`` is :func:`forward` bound to the (static) config: pure, safe to
+    ``jax.jit`` (``static_argnames="compute_logits"``) and to call inside a loop.
+    """
+    return functools.partial(forward, model.config), model.params()

@@ -1,0 +1,68 @@
+"""Models by name: ``load_model(name, seed=...)`` -> ``LoadedModel(model, config, tokenizer)``.
+
+Built in: two deterministic random Llamas sharing the :class:`ByteTokenizer`,
+``tiny-random`` (the target) and ``tiny-random-draft`` (a smaller drafter).
+Loaders of real checkpoints add themselves with :func:`register_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from flax import nnx
+
+from specdec_jax.models.llama import Llama, LlamaConfig
+from specdec_jax.models.tokenizer import ByteTokenizer
+
+
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns; unpacks as ``model, config, tokenizer``."""
+
+    model: Llama
+    config: LlamaConfig
+    tokenizer: ByteTokenizer
+
+
+Builder = Callable[[int], LoadedModel]  # seed -> LoadedModel
+
+_BUILDERS: dict[str, Builder] = {}
+
+
+def register_model(name: str, builder: Builder) -> None:
+    """Makes ``load_model(name, seed=s)`` return ``builder(s)``; names are unique."""
+    if name in _BUILDERS:
+        raise ValueError(f"model {name!r} is already registered")
+    _BUILDERS[name] = builder
+
+
+def known_models() -> list[str]:
+    """Registered names, sorted."""
+    return sorted(_BUILDERS)
+
+
+def load_model(name: str, *, seed: int = 0) -> LoadedModel:
+    """Builds the named model; the same ``(name, seed)`` gives identical weights."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    return _BUILDERS[name](seed)
+
+
+def random_llama(config: LlamaConfig, seed: int = 0) -> Llama:
+    """A Llama of ``config`` with deterministic random weights (logit std about 2)."""
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+def _random_builder(config: LlamaConfig) -> Builder:
+    return lambda seed: LoadedModel(random_llama(config, seed), config, ByteTokenizer())
+
+
+TINY_RANDOM = LlamaConfig(
+    vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=256, num_layers=4,
+    num_heads=4, num_kv_heads=2, head_dim=32, tie_embeddings=False)
+TINY_RANDOM_DRAFT = LlamaConfig(
+    vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=1,
+    num_heads=4, num_kv_heads=2, head_dim=16, tie_embeddings=True)
+
+register_model("tiny-random", _random_builder(TINY_RANDOM))
+register_model("tiny-random-draft", _random_builder(TINY_RANDOM_DRAFT))

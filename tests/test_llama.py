@@ -1,0 +1,281 @@
+"""Llama forward through the KV cache vs a cache-free numpy reference; registry; tokenizer.
+
+Compiles are the cost here (~2 s each on a busy 2-core CPU), so the tests share
+shapes: batch 3, capacity 16, blocks of 8, 3 and 1 tokens.
+"""
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specdec_jax.models import (
+    ByteTokenizer,
+    Llama,
+    LlamaConfig,
+    forward,
+    known_models,
+    load_model,
+    param_shapes,
+    random_llama,
+    split_model,
+)
+
+CFG = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+B, T, S = 3, 16, 8
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def full_precision_matmuls():
+    """The 1e-4 tolerances assume true fp32 dots (GPUs/TPUs default to TF32/bf16 passes)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@functools.cache
+def jitted_apply(cfg: LlamaConfig):
+    """One jitted forward per config, shared by all tests (compile once per shape)."""
+    return jax.jit(functools.partial(forward, cfg), static_argnames="compute_logits")
+
+
+def run(cfg, params, tokens, cache, **kw):
+    return jitted_apply(cfg)(params, jnp.asarray(tokens, jnp.int32), cache, **kw)
+
+
+def reference_logits(cfg: LlamaConfig, params, tokens) -> np.ndarray:
+    """float64 numpy forward of one row ``tokens: [S]``, no cache, causal mask -> ``[S,V]``."""
+    p = {name: np.asarray(a, np.float64) for name, a in params.items()}
+    steps, dim = len(tokens), cfg.head_dim
+
+    def norm(x, w):
+        return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+
+    inv_freq = cfg.rope_theta ** -(np.arange(0, dim, 2) / dim)
+    angles = np.arange(steps)[:, None] * inv_freq
+    cos = np.cos(np.concatenate([angles, angles], -1))[:, None, :]
+    sin = np.sin(np.concatenate([angles, angles], -1))[:, None, :]
+
+    def rope(x):  # [S,heads,D], HF rotate_half
+        return x * cos + np.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+    group = cfg.num_heads // cfg.num_kv_heads
+    causal = np.tril(np.ones((steps, steps), bool))
+    x = p["embed"][np.asarray(tokens)]
+    for l in range(cfg.num_layers):
+        h = norm(x, p["attn_norm"][l])
+        q = rope((h @ p["wq"][l]).reshape(steps, cfg.num_heads, dim))
+        k = rope((h @ p["wk"][l]).reshape(steps, cfg.num_kv_heads, dim))
+        v = (h @ p["wv"][l]).reshape(steps, cfg.num_kv_heads, dim)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # GQA
+        scores = np.einsum("snd,tnd->nst", q, k) / np.sqrt(dim)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("nst,tnd->snd", probs, v).reshape(steps, -1) @ p["wo"][l]
+        h = norm(x, p["mlp_norm"][l])
+        gate = h @ p["w_gate"][l]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w_up"][l])) @ p["w_down"][l]
+    head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
+    return norm(x, p["final_norm"]) @ head
+
+
+@pytest.fixture(scope="module")
+def params():
+    return split_model(random_llama(CFG, seed=0))[1]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (B, S))
+
+
+@pytest.fixture(scope="module")
+def full_logits(params, tokens):
+    logits, cache = run(CFG, params, tokens, CFG.init_cache(B, T))
+    np.testing.assert_array_equal(cache.lengths, 0)  # apply never commits
+    return np.asarray(logits)
+
+
+def test_one_pass_matches_cache_free_reference(params, tokens, full_logits):
+    assert full_logits.shape == (B, S, CFG.vocab_size) and full_logits.dtype == np.float32
+    for b in range(B):
+        np.testing.assert_allclose(full_logits[b], reference_logits(CFG, params, tokens[b]), **TOL)
+
+
+def test_one_pass_matches_token_by_token(params, tokens, full_logits):
+    cache, steps = CFG.init_cache(B, T), []
+    for s in range(S):
+        logits, cache = run(CFG, params, tokens[:, s:s + 1], cache)
+        steps.append(logits[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    np.testing.assert_allclose(np.stack(steps, axis=1), full_logits, **TOL)
+
+
+def assert_healthy_spread(logits):
+    """Random models must give a clear argmax and a law far from uniform and one-hot."""
+    std = np.asarray(logits).std(-1).mean()
+    top = np.asarray(jax.nn.softmax(logits, -1)).max(-1).mean()
+    assert 1.0 < std < 3.5, std
+    assert 2.0 / logits.shape[-1] < top < 0.9, top
+
+
+def test_logits_have_healthy_spread(full_logits):
+    assert_healthy_spread(full_logits)
+
+
+def prefilled(params, tokens, lengths):
+    """Writes all of ``tokens`` (compute_logits=False), then commits only ``lengths``."""
+    logits, cache = run(CFG, params, tokens, CFG.init_cache(B, T), compute_logits=False)
+    assert logits is None
+    return cache.with_lengths(np.asarray(lengths))
+
+
+def test_ragged_rows_match_each_row_alone(params, tokens):
+    # Slots beyond each row's length hold the rest of the prefill: stale, like
+    # rejected drafts after a rollback.
+    lengths = np.array([0, 2, 5])
+    block = np.random.default_rng(1).integers(0, CFG.vocab_size, (B, 3))
+    logits, cache = run(CFG, params, block, prefilled(params, tokens, lengths))
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    for b, n in enumerate(lengths):
+        row = np.concatenate([tokens[b, :n], block[b]])
+        np.testing.assert_allclose(logits[b], reference_logits(CFG, params, row)[n:], **TOL)
+
+
+def test_garbage_beyond_lengths_is_invisible(params, tokens):
+    lengths = np.array([1, 4, 6])
+    block = np.random.default_rng(2).integers(0, CFG.vocab_size, (B, 3))
+    clean = prefilled(params, tokens, lengths)
+    stale = np.arange(T)[None, None, :, None, None] >= lengths[None, :, None, None, None]
+    noise = 1e3 * np.random.default_rng(3).standard_normal(clean.k.shape).astype(np.float32)
+    dirty = clean.replace(k=jnp.where(stale, noise, clean.k), v=jnp.where(stale, -noise, clean.v))
+    want, _ = run(CFG, params, block, clean)
+    got, _ = run(CFG, params, block, dirty)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_compute_logits_false_writes_the_same_cache(params, tokens):
+    _, with_logits = run(CFG, params, tokens, CFG.init_cache(B, T))
+    without = prefilled(params, tokens, np.zeros(B))
+    np.testing.assert_array_equal(without.k, with_logits.k)
+    np.testing.assert_array_equal(without.v, with_logits.v)
+
+
+def test_tied_embeddings_use_embed_as_head(params, tokens):
+    tied_cfg = dataclasses.replace(CFG, tie_embeddings=True)
+    assert "lm_head" not in param_shapes(tied_cfg)
+    tied = random_llama(tied_cfg, seed=4)
+    call = nnx.jit(lambda model, tokens, cache: model(tokens, cache))
+    logits, _ = call(tied, jnp.asarray(tokens), tied_cfg.init_cache(B, T))
+    tied_params = tied.params()
+    np.testing.assert_allclose(logits[0], reference_logits(tied_cfg, tied_params, tokens[0]), **TOL)
+    # An untied model whose head is embed.T computes the same function.
+    untied = {**tied_params, "lm_head": tied_params["embed"].T}
+    same, _ = run(CFG, untied, tokens, CFG.init_cache(B, T))
+    np.testing.assert_allclose(same, logits, **TOL)
+    other, _ = run(CFG, {**untied, "lm_head": params["lm_head"]}, tokens, CFG.init_cache(B, T))
+    assert np.abs(np.asarray(other) - np.asarray(logits)).max() > 0.1
+
+
+def test_rope_theta_changes_positions_but_not_position_zero(params, tokens, full_logits):
+    cfg = dataclasses.replace(CFG, rope_theta=50.0)
+    logits, _ = run(cfg, params, tokens, cfg.init_cache(B, T))
+    np.testing.assert_allclose(logits[:, 0], full_logits[:, 0], **TOL)  # rotation by 0
+    assert np.abs(np.asarray(logits[:, 2:]) - full_logits[:, 2:]).max() > 0.1
+    np.testing.assert_allclose(logits[1], reference_logits(cfg, params, tokens[1]), **TOL)
+
+
+def test_traced_once_for_any_cache_lengths(params, tokens):
+    traces = []
+
+    def apply(params, tokens, cache):
+        traces.append(None)
+        return forward(CFG, params, tokens, cache)
+
+    step = jax.jit(apply)
+    cache = prefilled(params, tokens, np.zeros(B))
+    for lengths in ([0, 0, 0], [3, 1, 7], [15, 2, 9]):
+        step(params, jnp.asarray(tokens[:, :1], jnp.int32), cache.with_lengths(np.array(lengths)))
+    assert len(traces) == 1
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        dataclasses.replace(CFG, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="even"):
+        dataclasses.replace(CFG, head_dim=7)
+    with pytest.raises(ValueError, match="positive"):
+        dataclasses.replace(CFG, num_layers=0)
+    assert hash(CFG) == hash(dataclasses.replace(CFG))
+
+
+def test_from_arrays_round_trip_and_checks(params):
+    arrays = {name: np.asarray(a) for name, a in params.items()}
+    model = Llama.from_arrays(CFG, arrays)
+    for name, array in model.params().items():
+        np.testing.assert_array_equal(array, arrays[name])
+    assert {k: v.shape for k, v in nnx.state(model, nnx.Param).items()} == param_shapes(CFG)
+    with pytest.raises(ValueError, match="missing \\['wq'\\]"):
+        Llama.from_arrays(CFG, {k: v for k, v in arrays.items() if k != "wq"})
+    with pytest.raises(ValueError, match="wo: expected shape"):
+        Llama.from_arrays(CFG, {**arrays, "wo": arrays["wo"][:, :, :-1]})
+    with pytest.raises(ValueError, match="exactly one"):
+        Llama(CFG, rngs=nnx.Rngs(0), arrays=arrays)
+
+
+# --- registry and tokenizer ----------------------------------------------------
+
+
+def test_registry_is_deterministic_and_fast():
+    load_model("tiny-random-draft")  # warm-up: first use of nnx.Rngs / device
+    start = time.perf_counter()
+    first = load_model("tiny-random", seed=7)
+    assert time.perf_counter() - start < 2.0
+    again, other = load_model("tiny-random", seed=7), load_model("tiny-random", seed=8)
+    a, b, c = first.model.params(), again.model.params(), other.model.params()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+    assert not np.array_equal(a["wq"], c["wq"])
+
+
+def test_registry_models_share_the_byte_tokenizer():
+    assert {"tiny-random", "tiny-random-draft"} <= set(known_models())
+    model, config, tokenizer = load_model("tiny-random")
+    draft = load_model("tiny-random-draft")
+    assert isinstance(tokenizer, ByteTokenizer) and isinstance(draft.tokenizer, ByteTokenizer)
+    assert config.vocab_size == draft.config.vocab_size == tokenizer.vocab_size
+    assert config.num_kv_heads < config.num_heads  # GQA
+    assert draft.config.num_layers < config.num_layers
+    assert draft.config.hidden_size < config.hidden_size
+    assert model.config == config
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-draft"])
+def test_registry_models_have_healthy_spread(name):
+    model, config, tokenizer = load_model(name)
+    apply_fn, params = split_model(model)
+    tokens = jnp.asarray([tokenizer.encode("speculative decoding")], jnp.int32)
+    logits, _ = jax.jit(apply_fn)(params, tokens, config.init_cache(1, 32))
+    assert_healthy_spread(logits)
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(ValueError, match="tiny-random-draft"):
+        load_model("no-such-model")
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo")
+    assert ids == list("héllo".encode()) and max(ids) < 256
+    assert tok.encode("a", add_bos=True) == [tok.bos_id, 97]
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == "héllo"
+    assert tok.decode([0xFF]) == "\ufffd"
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258)
