@@ -1,0 +1,271 @@
+"""Logits -> processed, normalized probability law (DESIGN section 6).
+
+One function, `process_logits`, turns raw logits into the law a decoder samples
+from. The target's `p` and the drafter's `q` both go through it, so the
+exactness claim of speculative decoding holds for the target decoder *after*
+these transforms. Order (as HF transformers):
+
+    penalties -> temperature -> top-k -> top-p -> min-p -> softmax
+
+Temperature 0 means greedy: the law is a one-hot at the argmax of the penalized
+logits. A batch may mix greedy and sampled rows.
+
+Per-row settings live in `RowSampling` as arrays; its static flags (computed on
+the host) say which transforms any sampled row uses, so a transform nobody in
+the batch uses is not compiled in (e.g. no vocab sort without top-k / top-p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one row (hashable, so usable as a static argument).
+
+    temperature: 0 means greedy (argmax after penalties); > 0 divides logits.
+    top_k: keep the k highest logits; 0 = off.
+    top_p: keep the smallest set of top tokens whose mass is >= top_p; 1 = off.
+    min_p: keep tokens with prob >= min_p * max prob; 0 = off.
+    repetition_penalty: CTRL/HF penalty on tokens already in the context; 1 = off.
+    presence_penalty: subtracted once from the logit of every context token.
+    frequency_penalty: subtracted once per occurrence of a context token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        is_int = isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
+        finite_temperature = self.temperature >= 0 and math.isfinite(self.temperature)
+        checks = (
+            ("temperature", finite_temperature, "finite and >= 0"),
+            ("top_k", is_int and self.top_k >= 0, "an int >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
+                "finite and > 0",
+            ),
+            ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
+        )
+        for name, ok, requirement in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Per-row sampling settings of a batch, as a pytree of arrays.
+
+    The static flags are upper bounds computed on the host by `from_params`:
+    a transform whose flag is False is left out of the compiled program; where
+    it is True, rows that do not use it (top_k 0, top_p 1, min_p 0, penalties
+    neutral) pass through it unchanged. The top-k / top-p / min-p flags only
+    consider sampled rows, since greedy rows ignore those settings.
+    """
+
+    temperature: jax.Array  # f32[B], 0 = greedy
+    top_k: jax.Array  # i32[B], 0 = off
+    top_p: jax.Array  # f32[B], 1 = off
+    min_p: jax.Array  # f32[B], 0 = off
+    repetition_penalty: jax.Array  # f32[B], 1 = off
+    presence_penalty: jax.Array  # f32[B], 0 = off
+    frequency_penalty: jax.Array  # f32[B], 0 = off
+    use_top_k: bool = flax.struct.field(pytree_node=False)
+    use_top_p: bool = flax.struct.field(pytree_node=False)
+    use_min_p: bool = flax.struct.field(pytree_node=False)
+    use_penalties: bool = flax.struct.field(pytree_node=False)
+    any_sampled: bool = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def from_params(
+        cls, params: SamplingParams | Sequence[SamplingParams], batch_size: int
+    ) -> RowSampling:
+        """Build from one `SamplingParams` (broadcast) or one per row."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if isinstance(params, SamplingParams):
+            params = [params] * batch_size
+        params = list(params)
+        if len(params) != batch_size:
+            raise ValueError(f"got {len(params)} SamplingParams for batch_size {batch_size}")
+        sampled = [p for p in params if not p.is_greedy]
+
+        def column(name, dtype):
+            return jnp.asarray(np.array([getattr(p, name) for p in params], dtype=dtype))
+
+        return cls(
+            temperature=column("temperature", np.float32),
+            top_k=column("top_k", np.int32),
+            top_p=column("top_p", np.float32),
+            min_p=column("min_p", np.float32),
+            repetition_penalty=column("repetition_penalty", np.float32),
+            presence_penalty=column("presence_penalty", np.float32),
+            frequency_penalty=column("frequency_penalty", np.float32),
+            use_top_k=any(p.top_k > 0 for p in sampled),
+            use_top_p=any(p.top_p < 1 for p in sampled),
+            use_min_p=any(p.min_p > 0 for p in sampled),
+            use_penalties=any(p.has_penalties for p in params),
+            any_sampled=bool(sampled),
+        )
+
+
+def process_logits(
+    logits: jax.Array, rows: RowSampling, counts: jax.Array | None = None
+) -> jax.Array:
+    """Turn logits into the processed law; each row sums to 1.
+
+    Args:
+      logits: f32[B,S,V] (any float dtype; computed in f32). Middle axes are
+        free: f32[B,V] works too, with `counts` of the same shape.
+      rows: per-row settings, `RowSampling` with batch B.
+      counts: f32[B,S,V], how often each token occurs in the context that
+        position s conditions on (see `token_counts`, `position_counts`).
+        Needed only when `rows.use_penalties`.
+
+    Returns:
+      f32[B,S,V] probabilities. Masked tokens are exactly 0. Greedy rows
+      (temperature 0) are a one-hot at the first argmax of the penalized logits.
+
+    Tie rules: top-k keeps every token whose logit equals the k-th largest, and
+    top-p likewise keeps every token tied with the last token it needs, so a tie
+    at a threshold can keep more than k tokens / more mass than needed. This
+    makes the mask a function of the values alone, independent of sort order.
+    """
+    x = logits.astype(jnp.float32)
+    vocab = x.shape[-1]
+
+    def per_row(a):  # [B] -> [B,1,...,1], broadcasting against x
+        return a.reshape(a.shape + (1,) * (x.ndim - 1))
+
+    if rows.use_penalties:
+        if counts is None:
+            raise ValueError("rows use penalties, so process_logits needs counts")
+        seen = counts > 0
+        rp = per_row(rows.repetition_penalty)
+        x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+        x = x - per_row(rows.presence_penalty) * seen - per_row(rows.frequency_penalty) * counts
+
+    greedy = jax.nn.one_hot(jnp.argmax(x, axis=-1), vocab, dtype=jnp.float32)
+    if not rows.any_sampled:
+        return greedy
+
+    # Shift so the max is 0 before dividing: tiny temperatures then underflow
+    # to -inf (probability 0) instead of overflowing to inf - inf = nan.
+    is_greedy = per_row(rows.temperature == 0)
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(
+        is_greedy, 1.0, per_row(rows.temperature)
+    )
+
+    if rows.use_top_k or rows.use_top_p:
+        desc = jnp.sort(x, axis=-1, descending=True)  # f32[B,S,V]
+        index_shape = desc.shape[:-1] + (1,)
+
+        def nth_largest(n):  # n: i32[B,S,1] (1-based) -> f32[B,S,1]
+            return jnp.take_along_axis(desc, jnp.clip(n - 1, 0, vocab - 1), axis=-1)
+
+        if rows.use_top_k:
+            k = per_row(rows.top_k)
+            kth = nth_largest(jnp.broadcast_to(k, index_shape))
+            x = jnp.where((k <= 0) | (x >= kth), x, -jnp.inf)
+            desc = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
+
+        if rows.use_top_p:
+            top_p = per_row(rows.top_p)
+            sorted_probs = jax.nn.softmax(desc, axis=-1)
+            mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+            n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+            # top_p == 1 must keep everything even where the f32 cumsum reaches
+            # 1 before the tail does.
+            x = jnp.where((top_p >= 1) | (x >= nth_largest(n_keep)), x, -jnp.inf)
+
+    if rows.use_min_p:
+        # The top token survives top-k and top-p and x's max is 0, so
+        # exp(x) = prob / max prob.
+        x = jnp.where(jnp.exp(x) >= per_row(rows.min_p), x, -jnp.inf)
+
+    return jnp.where(is_greedy, greedy, jax.nn.softmax(x, axis=-1))
+
+
+def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int) -> jax.Array:
+    """Occurrences of each token in tokens[b, :length[b]].
+
+    Args:
+      tokens: i32[B,L], values in [0, vocab_size) where valid; padding beyond
+        `length` may hold anything.
+      length: i32[B], number of valid tokens per row.
+      vocab_size: V.
+
+    Returns:
+      f32[B,V] counts (a scatter-add; no [B,L,V] one-hot is built).
+    """
+    batch, max_len = tokens.shape
+    valid = jnp.arange(max_len)[None, :] < length[:, None]  # bool[B,L]
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], tokens.shape)
+    return (
+        jnp.zeros((batch, vocab_size), jnp.float32)
+        .at[rows, jnp.where(valid, tokens, 0)]
+        .add(valid.astype(jnp.float32))
+    )
+
+
+def position_counts(history_counts: jax.Array, drafts: jax.Array) -> jax.Array:
+    """Context counts for each position of a verify pass.
+
+    Position 0 conditions on the committed history (including the newest
+    committed token t0); position s also sees the candidates drafts[:, :s].
+
+    Args:
+      history_counts: f32[B,V], counts of the committed tokens.
+      drafts: i32[B,S-1], candidate tokens (padding rows beyond a row's
+        num_draft only affect positions whose output is never used).
+
+    Returns:
+      f32[B,S,V] counts.
+    """
+    vocab = history_counts.shape[-1]
+    seen = jnp.cumsum(jax.nn.one_hot(drafts, vocab, dtype=jnp.float32), axis=1)  # f32[B,S-1,V]
+    seen = jnp.pad(seen, ((0, 0), (1, 0), (0, 0)))  # f32[B,S,V]
+    return history_counts[:, None, :] + seen
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One draw per row from a processed law.
+
+    Args:
+      key: key[B], one key per row (e.g. `jax.random.split(key, B)`).
+      probs: f32[B,V], a law from `process_logits`; zero entries are never drawn.
+
+    Returns:
+      i32[B] token ids.
+    """
+    return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32)
