@@ -1,14 +1,86 @@
-"""Command line: `specdec-jax SUBCOMMAND ...`.
+"""Command line: `specdec-jax {demo,generate,theory} ...`.
 
-Errors in user input print one line on stderr and exit with code 2.
+Errors in user input print one line on stderr and exit with code 2 (no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import pathlib
 import sys
 
 from specdec_jax import theory
+from specdec_jax.config import DRAFTERS, RunConfig, load_yaml, resolve
+
+FLAG_HELP = {
+    "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
+    "drafter": "drafter: " + ", ".join(DRAFTERS),
+    "draft_model": "draft model name or path (with --drafter draft-model)",
+    "gamma": "drafts per round (0 = plain decoding)",
+    "temperature": "0 = greedy",
+    "top_k": "0 = off",
+    "top_p": "1 = off",
+    "min_p": "0 = off",
+    "max_new_tokens": "token budget per prompt",
+    "seed": "random seed",
+    "batch_size": "prompts per batch",
+    "prompt": "a prompt text (repeatable)",
+    "prompts_file": "JSONL with 'prompt', or Spec-Bench 'turns' (first turn used)",
+    "raw": "send prompt text as is (no chat template)",
+    "ignore_eos": "do not stop at the model's EOS",
+    "oracle_alpha": "acceptance of the oracle drafter",
+    "ngram_max": "longest n-gram the lookup tries",
+    "ngram_min": "shortest n-gram the lookup tries",
+}
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field; every default is None so that only given flags override."""
+    for name, default in RunConfig.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        value = default.default
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[name])
+        elif name == "prompt":
+            parser.add_argument(flag, action="append", default=None, help=FLAG_HELP[name])
+        else:
+            kind = str if value is None else type(value)
+            parser.add_argument(flag, type=kind, default=None, help=f"{FLAG_HELP[name]} (default {value})")
+    parser.add_argument("--config", type=pathlib.Path, help="YAML config file (flags override it)")
+    parser.add_argument("--json", type=pathlib.Path, metavar="OUT", help="write the full report as JSON")
+
+
+def config_from_args(args) -> RunConfig:
+    flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
+    if flags["prompt"] is not None:
+        flags["prompt"] = tuple(flags["prompt"])
+    file_values = load_yaml(args.config) if args.config else {}
+    return resolve(file_values, flags, where=str(args.config or "flags"))
+
+
+def _generate(args) -> int:
+    from specdec_jax.runner import run, stats_line
+
+    cfg = config_from_args(args)
+    report = run(cfg)
+    for r in report["results"]:
+        print(f"=== {r['id']} ({r['stop_reason']}, {len(r['tokens'])} tokens)\n{r['text']}\n")
+    print(stats_line(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _demo(args) -> int:
+    from specdec_jax.demo import demo
+
+    cfg = config_from_args(args)
+    report = demo(cfg)
+    if args.json:
+        write_json(args.json, report)
+    return 0
 
 
 def _theory(args) -> int:
@@ -24,9 +96,36 @@ def _theory(args) -> int:
     return 0
 
 
+def write_json(path: pathlib.Path, report: dict) -> None:
+    def clean(x):  # NaN is not JSON
+        if isinstance(x, float) and math.isnan(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(report), indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec-jax", description="Speculative decoding in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="specdec-jax", description="Speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("demo", help="speculative vs plain decoding side by side on the default model")
+    add_run_flags(p)
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("generate", help="generate text for prompts")
+    add_run_flags(p)
+    p.set_defaults(func=_generate)
     p = sub.add_parser("theory", help="closed-form tokens per round for acceptance alpha and gamma drafts")
     p.add_argument("--alpha", type=float, required=True, help="per-position acceptance probability in [0, 1]")
     p.add_argument("--gamma", type=int, required=True, help="drafts per round (>= 0)")
@@ -40,7 +139,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         print(f"specdec-jax: error: {err}", file=sys.stderr)
         return 2
 

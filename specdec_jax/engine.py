@@ -247,8 +247,8 @@ def generate(
     _validate(config, prompts, drafter, gamma, max_new_tokens, eos_id, capacity)
     num_rows = len(prompts)
     batch = _next_power_of_two(num_rows)
-    prompt_width = max(16, _next_power_of_two(max(map(len, prompts))))
-    capacity = capacity or _round_up(prompt_width + max_new_tokens + gamma + 1, 64)
+    prompt_width = prompt_bucket(max(map(len, prompts)))
+    capacity = capacity or default_capacity(max(map(len, prompts)), max_new_tokens, gamma)
     padded = np.zeros((batch, prompt_width), np.int32)
     lens = np.ones((batch,), np.int32)
     for b, p in enumerate(prompts):
@@ -315,6 +315,16 @@ def _validate(config: LlamaConfig, prompts, drafter, gamma, max_new_tokens, eos_
         raise ValueError(
             f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the target's ({config.vocab_size})"
         )
+
+
+def prompt_bucket(longest_prompt: int) -> int:
+    """Padded prompt width: the next power of two, at least 16 (one compile per bucket)."""
+    return max(16, _next_power_of_two(longest_prompt))
+
+
+def default_capacity(longest_prompt: int, max_new_tokens: int, gamma: int) -> int:
+    """KV slots per row: prompt bucket + max_new_tokens + gamma + 1, rounded up to a multiple of 64."""
+    return _round_up(prompt_bucket(longest_prompt) + max_new_tokens + gamma + 1, 64)
 
 
 def _next_power_of_two(n: int) -> int:

@@ -50,23 +50,40 @@ class Metrics:
     mean_accepted_length: float
     acceptance_rate: float  # accepted / drafted (nan when nothing was drafted)
     per_position_acceptance: list[float]  # accepted at draft i+1 / rounds proposing >= i+1 drafts
+    position_proposed: list[int]  # rounds proposing >= i+1 drafts
+    position_accepted: list[int]  # rounds whose draft i+1 was accepted
+
+    @classmethod
+    def from_totals(cls, rounds, drafted, accepted, emitted, position_proposed, position_accepted) -> Metrics:
+        position_proposed = [int(x) for x in position_proposed]
+        position_accepted = [int(x) for x in position_accepted]
+        return cls(
+            rounds=int(rounds),
+            draft_tokens=int(drafted),
+            accepted_tokens=int(accepted),
+            emitted_tokens=int(emitted),
+            mean_accepted_length=emitted / rounds if rounds else float("nan"),
+            acceptance_rate=accepted / drafted if drafted else float("nan"),
+            per_position_acceptance=[a / p if p else float("nan") for a, p in zip(position_accepted, position_proposed)],
+            position_proposed=position_proposed,
+            position_accepted=position_accepted,
+        )
 
     @classmethod
     def from_counters(cls, counters: Counters, num_rows: int) -> Metrics:
         c = jax.tree.map(np.asarray, counters)
-        rounds, drafted = int(c.rounds[:num_rows].sum()), int(c.drafted[:num_rows].sum())
-        accepted, emitted = int(c.accepted[:num_rows].sum()), int(c.emitted[:num_rows].sum())
-        per_position = [
-            float(a / p) if p else float("nan") for a, p in zip(c.position_accepted, c.position_proposed)
-        ]
-        return cls(
-            rounds=rounds,
-            draft_tokens=drafted,
-            accepted_tokens=accepted,
-            emitted_tokens=emitted,
-            mean_accepted_length=emitted / rounds if rounds else float("nan"),
-            acceptance_rate=accepted / drafted if drafted else float("nan"),
-            per_position_acceptance=per_position,
+        return cls.from_totals(
+            c.rounds[:num_rows].sum(), c.drafted[:num_rows].sum(), c.accepted[:num_rows].sum(),
+            c.emitted[:num_rows].sum(), c.position_proposed, c.position_accepted,
+        )
+
+    @classmethod
+    def combine(cls, parts: list[Metrics]) -> Metrics:
+        """Totals over several runs with the same gamma."""
+        return cls.from_totals(
+            sum(m.rounds for m in parts), sum(m.draft_tokens for m in parts), sum(m.accepted_tokens for m in parts),
+            sum(m.emitted_tokens for m in parts), np.sum([m.position_proposed for m in parts], axis=0),
+            np.sum([m.position_accepted for m in parts], axis=0),
         )
 
     def to_dict(self) -> dict:

@@ -7,6 +7,7 @@ Loaders of real checkpoints add themselves with :func:`register_model`.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,10 +43,21 @@ def known_models() -> list[str]:
 
 
 def load_model(name: str, *, seed: int = 0) -> LoadedModel:
-    """Builds the named model; the same ``(name, seed)`` gives identical weights."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
-    return _BUILDERS[name](seed)
+    """Builds a registered model by name (same ``(name, seed)``, same weights), or loads
+    a local path: a llama ``.gguf`` file or a Hugging Face model directory."""
+    if name in _BUILDERS:
+        return _BUILDERS[name](seed)
+    from specdec_jax.models import loading
+
+    path = pathlib.Path(name)
+    if path.suffix == ".gguf":
+        return loading.load_gguf(path)
+    if path.is_dir():
+        return loading.load_hf_dir(path)
+    raise ValueError(
+        f"unknown model {name!r}: not a registered name ({', '.join(known_models())}), "
+        "a .gguf file or a model directory"
+    )
 
 
 def random_llama(config: LlamaConfig, seed: int = 0) -> Llama:
@@ -66,3 +78,12 @@ TINY_RANDOM_DRAFT = LlamaConfig(
 
 register_model("tiny-random", _random_builder(TINY_RANDOM))
 register_model("tiny-random-draft", _random_builder(TINY_RANDOM_DRAFT))
+
+
+def _smollm2(seed: int) -> LoadedModel:
+    from specdec_jax.models.loading import load_smollm2  # imports gguf/tokenizers only when used
+
+    return load_smollm2(seed)
+
+
+register_model("smollm2-135m", _smollm2)

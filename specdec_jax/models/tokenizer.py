@@ -23,3 +23,61 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the byte ids; special ids are skipped, bad UTF-8 replaced."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
+
+    Built from GGUF metadata (`from_gguf_metadata`: byte-level BPE from vocab and
+    merges) or a Hugging Face directory (`from_hf_dir`: tokenizer.json).
+    """
+
+    def __init__(self, tokenizer, *, bos_id: int | None, eos_id: int, chat_template: str | None):
+        self._tok = tokenizer
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> BPETokenizer:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+        # llama.cpp's 'smollm' pre-tokenizer splits digits one by one before the GPT-2 regex.
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if meta.get("tokenizer.ggml.pre") == "smollm":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+        return cls(
+            tok,
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_id=int(meta["tokenizer.ggml.eos_token_id"]),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it map to their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens skipped."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, user_text: str) -> str:
+        """The model's chat template around one user turn, with the assistant prompt opened."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; send the text raw")
+        import jinja2
+
+        template = jinja2.Environment(keep_trailing_newline=True).from_string(self.chat_template)
+        return template.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True)

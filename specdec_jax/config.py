@@ -1,0 +1,101 @@
+"""Run settings: one frozen dataclass whose fields are the CLI flags (underscores for dashes).
+
+Precedence: dataclass defaults < YAML file (`--config`) < flags given on the
+command line. Unknown keys and bad values are `ValueError`s that name the file
+and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import yaml
+
+DRAFTERS = ("none", "ngram", "draft-model", "oracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: str = "smollm2-135m"
+    drafter: str = "ngram"
+    draft_model: str | None = None
+    gamma: int = 4
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    batch_size: int = 1
+    prompt: tuple[str, ...] = ()
+    prompts_file: str | None = None
+    raw: bool = False
+    ignore_eos: bool = False
+    oracle_alpha: float = 0.8
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        checks = (
+            ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
+            ("gamma", isinstance(self.gamma, int) and self.gamma >= 0, "an int >= 0"),
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int >= 1"),
+            ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an int >= 1"),
+            ("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
+            ("ngram_min", isinstance(self.ngram_min, int) and self.ngram_min >= 1, "an int >= 1"),
+            ("ngram_max", isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "an int >= ngram_min"),
+        )
+        for name, ok, requirement in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+        if self.drafter == "draft-model" and not self.draft_model:
+            raise ValueError("drafter 'draft-model' needs draft_model (--draft-model NAME_OR_PATH)")
+
+    @property
+    def effective_gamma(self) -> int:
+        return 0 if self.drafter == "none" else self.gamma
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["prompt"] = list(self.prompt)
+        return d
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def load_yaml(path: str | pathlib.Path) -> dict[str, Any]:
+    """Keys and values of a config file, checked against RunConfig's fields."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must be a mapping of keys to values")
+    return check_keys(data, str(path))
+
+
+def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(FIELDS)})")
+        out[name] = tuple(value) if name == "prompt" and isinstance(value, list) else value
+    return out
+
+
+def resolve(file_values: dict[str, Any], flag_values: dict[str, Any], where: str = "config") -> RunConfig:
+    """RunConfig from file values overridden by flags (flags left unset are None and ignored)."""
+    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    try:
+        return RunConfig(**merged)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    except TypeError as err:
+        raise ValueError(f"{where}: {err}") from None

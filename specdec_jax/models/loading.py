@@ -1,0 +1,143 @@
+"""Load real models: a llama GGUF file, a Hugging Face directory, or the default SmolLM2.
+
+Converted weights are cached with orbax under `cache_dir()/converted/<sha256 of
+the source>`, so the second load skips dequantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from specdec_jax.models.fetch import cache_dir, sha256_of, smollm2_gguf
+from specdec_jax.models.llama import Llama, LlamaConfig
+from specdec_jax.models.registry import LoadedModel
+from specdec_jax.models.tokenizer import BPETokenizer
+
+HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices transposed)
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def load_smollm2(seed: int = 0) -> LoadedModel:
+    """SmolLM2-135M-Instruct from its Q4_1 GGUF (fetched on first use), dequantized to float32."""
+    return load_gguf(smollm2_gguf())
+
+
+def load_gguf(path: str | pathlib.Path) -> LoadedModel:
+    """A llama-architecture GGUF file: weights (F32/F16/Q8_0/Q4_0/Q4_1) and its tokenizer."""
+    from gguf import GGUFReader
+
+    from specdec_jax.models.gguf_loader import _field_value, read_gguf
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"no such GGUF file: {path}")
+    fields = GGUFReader(path).fields
+    meta = {name: _field_value(field) for name, field in fields.items() if name.startswith(("tokenizer.", "general."))}
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
+    config, arrays = _cached(path, lambda: read_gguf(path)[:2])
+    return LoadedModel(Llama.from_arrays(config, arrays), config, BPETokenizer.from_gguf_metadata(meta))
+
+
+def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
+    """A Hugging Face style directory of a Llama-family model: config.json, *.safetensors, tokenizer.json."""
+    path = pathlib.Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only 'llama')")
+    heads = hf["num_attention_heads"]
+    config = LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    weights = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    from safetensors.numpy import load_file
+
+    for f in files:
+        weights.update(load_file(f))
+    arrays = hf_arrays(config, weights)
+    return LoadedModel(Llama.from_arrays(config, arrays), config, _hf_tokenizer(path))
+
+
+def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF Llama state dict (numpy) -> our stacked [in, out] layout."""
+
+    def get(name):
+        if name not in weights:
+            raise ValueError(f"missing weight {name}")
+        return np.asarray(weights[name], np.float32)
+
+    arrays = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    if not config.tie_embeddings:
+        arrays["lm_head"] = get("lm_head.weight").T
+    for ours, theirs in HF_LAYER_WEIGHTS.items():
+        layers = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
+        arrays[ours] = np.stack([w if w.ndim == 1 else w.T for w in layers])
+    return arrays
+
+
+def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
+    from tokenizers import Tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"{path}: no tokenizer.json")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+
+    def token_id(key):
+        value = cfg.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return tok.token_to_id(value) if value else None
+
+    eos = token_id("eos_token")
+    if eos is None:
+        raise ValueError(f"{path}: tokenizer_config.json names no eos_token")
+    return BPETokenizer(tok, bos_id=token_id("bos_token"), eos_id=eos, chat_template=cfg.get("chat_template"))
+
+
+def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """(config, arrays) of `source`, from the orbax cache when the source's sha256 was converted before."""
+    import orbax.checkpoint as ocp
+
+    folder = cache_dir() / "converted" / sha256_of(source)
+    config_file = folder / "config.json"
+    checkpointer = ocp.StandardCheckpointer()
+    if config_file.is_file() and (folder / "params").is_dir():
+        config = LlamaConfig(**json.loads(config_file.read_text()))
+        arrays = checkpointer.restore((folder / "params").resolve())
+        return config, {k: np.asarray(v) for k, v in arrays.items()}
+    print(f"converting {source.name} (first load; cached for next time) ...", file=sys.stderr)
+    config, arrays = convert()
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpointer.save((folder / "params").resolve(), arrays, force=True)
+    checkpointer.wait_until_finished()
+    config_file.write_text(json.dumps(dataclasses.asdict(config)))  # written last: marks the cache complete
+    return config, arrays

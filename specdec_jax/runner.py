@@ -1,0 +1,101 @@
+"""From a `RunConfig` to generated text: load models, build the drafter, encode prompts, run batches.
+
+Shared by `specdec-jax generate`, the demo and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tqdm import tqdm
+
+from specdec_jax.config import RunConfig
+from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
+from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.engine import generate
+from specdec_jax.metrics import Metrics
+from specdec_jax.models import load_model
+from specdec_jax.sampling import SamplingParams
+
+
+def build_drafter(cfg: RunConfig, target):
+    """The drafter the config names (None for plain decoding)."""
+    if cfg.effective_gamma == 0:
+        return None
+    if cfg.drafter == "ngram":
+        return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min)
+    if cfg.drafter == "oracle":
+        return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
+    draft = load_model(cfg.draft_model)
+    return ModelDrafter(draft.config, draft.model.params())
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+
+
+def prompt_records(cfg: RunConfig) -> list[dict]:
+    """[{"id", "prompt"}]: --prompt texts, then --prompts-file, else the built-in prompts."""
+    records = [{"id": f"prompt-{i}", "prompt": p} for i, p in enumerate(cfg.prompt)]
+    if cfg.prompts_file:
+        records += load_prompts_file(cfg.prompts_file)
+    return records or [dict(r) for r in BUILTIN_PROMPTS]
+
+
+def encode(tokenizer, text: str, raw: bool) -> list[int]:
+    """Token ids of a prompt, with the model's chat template unless `raw` (or the model has none)."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(text)
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError(f"prompt {text[:40]!r} encodes to no tokens")
+    return ids
+
+
+def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool = True) -> dict:
+    """Generate for every prompt in batches of cfg.batch_size; returns the JSON-ready report."""
+    target = target or load_model(cfg.model)
+    drafter = drafter if drafter is not None else build_drafter(cfg, target)
+    records = records if records is not None else prompt_records(cfg)
+    tok = target.tokenizer
+    encoded = [encode(tok, r["prompt"], cfg.raw) for r in records]
+    results, parts, wall = [], [], 0.0
+    batches = range(0, len(records), cfg.batch_size)
+    for start in tqdm(batches, desc=f"{cfg.drafter if cfg.effective_gamma else 'plain'} decoding",
+                      unit="batch", disable=not progress):
+        chunk = encoded[start : start + cfg.batch_size]
+        out = generate(
+            target, chunk, drafter, gamma=cfg.effective_gamma, sampling=sampling_params(cfg),
+            max_new_tokens=cfg.max_new_tokens, eos_id=None if cfg.ignore_eos else tok.eos_id,
+            seed=cfg.seed, row_ids=range(start, start + len(chunk)),
+        )
+        wall += out.wall_s
+        parts.append(out.metrics)
+        for record, ids, tokens, reason in zip(records[start:], chunk, out.tokens, out.stop_reasons):
+            results.append({**record, "prompt_tokens": ids, "tokens": tokens, "text": tok.decode(tokens),
+                            "stop_reason": reason})
+    metrics = Metrics.combine(parts)
+    summary = {k: v for k, v in metrics.to_dict().items() if k not in ("position_proposed", "position_accepted")}
+    summary.update(wall_s=wall, tokens_per_s=metrics.emitted_tokens / wall if wall else float("nan"))
+    return {"config": cfg.to_dict(), "results": results, "metrics": summary}
+
+
+def stats_line(report: dict) -> str:
+    m = report["metrics"]
+    return (
+        f"[{report['config']['drafter'] if report['config']['gamma'] and report['config']['drafter'] != 'none' else 'plain'}"
+        f" gamma={report['config']['gamma']}] {m['emitted_tokens']} tokens in {m['wall_s']:.2f}s "
+        f"({m['tokens_per_s']:.1f} tok/s), {m['mean_accepted_length']:.2f} tokens/round, "
+        f"acceptance {m['acceptance_rate']:.2f}"
+    )
+
+
+def with_overrides(cfg: RunConfig, **changes) -> RunConfig:
+    return dataclasses.replace(cfg, **changes)
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
