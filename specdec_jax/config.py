@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from specdec_jax.sampling import SamplingParams
+
 DRAFTERS = ("none", "ngram", "draft-model", "oracle")
 
 
@@ -52,10 +54,15 @@ class RunConfig:
                 raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
         if self.drafter == "draft-model" and not self.draft_model:
             raise ValueError("drafter 'draft-model' needs draft_model (--draft-model NAME_OR_PATH)")
+        if not all(isinstance(p, str) for p in self.prompt):
+            raise ValueError(f"prompt must be a list of strings, got {self.prompt!r}")
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if self.drafter == "none":  # plain decoding: record the gamma that really runs
+            object.__setattr__(self, "gamma", 0)
 
     @property
     def effective_gamma(self) -> int:
-        return 0 if self.drafter == "none" else self.gamma
+        return self.gamma
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -86,7 +93,9 @@ def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in FIELDS:
             raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(FIELDS)})")
-        out[name] = tuple(value) if name == "prompt" and isinstance(value, list) else value
+        if name == "prompt":  # one string is one prompt, a list is several
+            value = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
+        out[name] = value
     return out
 
 

@@ -172,7 +172,8 @@ def prefill(spec: EngineSpec, target_params, drafter_params, prompts, prompt_len
             sampling: RowSampling, key) -> DecodeState:
     """Writes padded prompts i32[B,P] into the caches in one pass; lengths = prompt_lens - 1."""
     batch = prompts.shape[0]
-    tokens = jnp.zeros((batch, spec.buffer_len), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
+    width = min(prompts.shape[1], spec.buffer_len)  # a bucket wider than the buffer is padding past it
+    tokens = jnp.zeros((batch, spec.buffer_len), jnp.int32).at[:, :width].set(prompts[:, :width])
     cache = spec.target.init_cache(batch, spec.capacity)
     _, cache = forward(spec.target, target_params, prompts, cache, compute_logits=False)
     drafter_state = None

@@ -84,7 +84,7 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
 def stats_line(report: dict) -> str:
     m = report["metrics"]
     return (
-        f"[{report['config']['drafter'] if report['config']['gamma'] and report['config']['drafter'] != 'none' else 'plain'}"
+        f"[{report['config']['drafter'] if report['config']['gamma'] else 'plain'}"
         f" gamma={report['config']['gamma']}] {m['emitted_tokens']} tokens in {m['wall_s']:.2f}s "
         f"({m['tokens_per_s']:.1f} tok/s), {m['mean_accepted_length']:.2f} tokens/round, "
         f"acceptance {m['acceptance_rate']:.2f}"

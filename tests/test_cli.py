@@ -1,5 +1,9 @@
 """The command line: output of a good call, one clean line and exit 2 on bad input."""
 
+import json
+
+import pytest
+
 from specdec_jax.cli import main
 
 
@@ -12,3 +16,220 @@ def test_bad_value_is_one_line_and_exit_2(capsys):
     assert main(["theory", "--alpha", "1.5", "--gamma", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "alpha must be in [0, 1], got 1.5" in err[0]
+
+
+# ---------------------------------------------------------------- generate on tiny-random (no download)
+#
+# Compiles dominate the cost: every good call below shares one shape (batch 1, prompts < 16
+# bytes, capacity 64, EOS on), so only two programs are built: ngram gamma=4 and plain.
+
+BASE = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8"]
+METRIC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "emitted_tokens", "mean_accepted_length",
+               "acceptance_rate", "per_position_acceptance", "wall_s", "tokens_per_s"}
+
+
+def generate_json(tmp_path, capsys, *args, name="out.json"):
+    out = tmp_path / name
+    assert main([*BASE, *args, "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    return json.loads(out.read_text()), captured
+
+
+def test_generate_prints_texts_stats_and_writes_json(tmp_path, capsys):
+    report, captured = generate_json(tmp_path, capsys, "--prompt", "hello hello", "--prompt", "abcabcabc")
+    assert set(report) == {"config", "results", "metrics"}
+    cfg = report["config"]
+    assert (cfg["model"], cfg["drafter"], cfg["gamma"], cfg["raw"], cfg["max_new_tokens"]) == (
+        "tiny-random", "ngram", 4, True, 8)
+    assert cfg["prompt"] == ["hello hello", "abcabcabc"]
+
+    results = report["results"]
+    assert [r["id"] for r in results] == ["prompt-0", "prompt-1"]
+    for r, text in zip(results, ["hello hello", "abcabcabc"]):
+        assert {"id", "prompt_tokens", "tokens", "text", "stop_reason"} <= set(r)
+        assert r["prompt"] == text and r["prompt_tokens"] == list(text.encode())  # byte tokenizer, raw
+        assert 1 <= len(r["tokens"]) <= 8 and all(isinstance(t, int) for t in r["tokens"])
+        assert r["stop_reason"] in ("length", "eos")
+        if r["stop_reason"] == "length":
+            assert len(r["tokens"]) == 8
+        else:
+            assert r["tokens"][-1] == 257 and 257 not in r["tokens"][:-1]  # ByteTokenizer EOS, kept
+        assert r["text"] == bytes(t for t in r["tokens"] if t < 256).decode("utf-8", errors="replace")
+        assert f"=== {r['id']} ({r['stop_reason']}, {len(r['tokens'])} tokens)\n{r['text']}\n" in captured.out
+
+    m = report["metrics"]
+    assert set(m) == METRIC_KEYS
+    emitted = sum(len(r["tokens"]) for r in results)
+    assert m["emitted_tokens"] == emitted
+    assert 1 <= m["rounds"] <= emitted and m["draft_tokens"] >= m["accepted_tokens"] >= 0
+    assert m["mean_accepted_length"] == pytest.approx(emitted / m["rounds"])
+    if m["draft_tokens"]:
+        assert m["acceptance_rate"] == pytest.approx(m["accepted_tokens"] / m["draft_tokens"])
+    assert len(m["per_position_acceptance"]) == 4
+    assert m["wall_s"] > 0 and m["tokens_per_s"] == pytest.approx(emitted / m["wall_s"])
+
+    stats = [line for line in captured.out.splitlines() if line.startswith("[")]
+    assert len(stats) == 1 and stats[0].startswith("[ngram gamma=4]")
+    assert f"{emitted} tokens in" in stats[0]
+    assert captured.out.count("===") == 2
+    assert "wrote" in captured.err and "Traceback" not in captured.err
+
+
+def test_ngram_through_cli_is_lossless_vs_plain(tmp_path, capsys):
+    prompts = ["--prompt", "hello hello", "--prompt", "abcabcabc"]
+    spec, _ = generate_json(tmp_path, capsys, *prompts, "--drafter", "ngram", name="ngram.json")
+    plain, captured = generate_json(tmp_path, capsys, *prompts, "--drafter", "none", name="plain.json")
+    assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
+    assert [r["text"] for r in spec["results"]] == [r["text"] for r in plain["results"]]
+    assert plain["metrics"]["draft_tokens"] == 0 and plain["metrics"]["acceptance_rate"] is None  # NaN -> null
+    assert plain["metrics"]["rounds"] == plain["metrics"]["emitted_tokens"]
+    assert "[plain " in captured.out
+
+
+def test_config_file_values_used_and_flags_override(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: tiny-random\nraw: true\ndrafter: ngram\nmax-new-tokens: 3\nseed: 7\n"
+                      "prompt:\n  - from yaml\n")
+    out = tmp_path / "out.json"
+    assert main(["generate", "--config", str(config), "--max-new-tokens", "8", "--json", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    cfg = report["config"]
+    assert cfg["seed"] == 7 and cfg["model"] == "tiny-random" and cfg["raw"] is True  # from the file
+    assert cfg["max_new_tokens"] == 8  # the flag wins over the file's 3
+    [result] = report["results"]
+    assert result["prompt"] == "from yaml" and result["prompt_tokens"] == list(b"from yaml")
+    assert len(result["tokens"]) == 8 or result["stop_reason"] == "eos"
+
+    # a flag given on the command line replaces the file's prompt list
+    assert main(["generate", "--config", str(config), "--prompt", "from flag", "--json", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert [r["prompt"] for r in report["results"]] == ["from flag"]
+    assert report["config"]["max_new_tokens"] == 3
+
+
+def test_config_file_prompt_string_is_one_prompt(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("prompt: hi\n")
+    out = tmp_path / "out.json"
+    rc = main([*BASE, "--config", str(config), "--json", str(out)])
+    err = capsys.readouterr().err
+    if rc == 2:  # rejecting it with one clear line would be fine too
+        assert "prompt" in err and "Traceback" not in err
+    else:
+        assert [r["prompt"] for r in json.loads(out.read_text())["results"]] == ["hi"]
+
+
+def test_prompts_file_spec_bench_turns(tmp_path, capsys):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text(
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["first turn", "second turn"]}) + "\n\n"
+        + json.dumps({"id": "own", "prompt": "plain one"}) + "\n"
+        + json.dumps({"turns": ["no id here"]}) + "\n"
+    )
+    report, captured = generate_json(tmp_path, capsys, "--prompt", "cli", "--prompts-file", str(prompts))
+    results = report["results"]
+    assert [r["id"] for r in results] == ["prompt-0", 81, "own", 4]  # default id: the line number
+    assert [r["prompt"] for r in results] == ["cli", "first turn", "plain one", "no id here"]
+    assert results[1]["prompt_tokens"] == list(b"first turn") and results[1]["category"] == "writing"
+    assert "=== 81 (" in captured.out
+
+
+# ---------------------------------------------------------------- bad input: one line on stderr, exit 2
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_unknown_model_name(capsys):
+    assert main(["generate", "--model", "no-such-model", "--prompt", "x"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("specdec-jax: error:") and "unknown model 'no-such-model'" in line
+    assert "tiny-random" in line and "smollm2-135m" in line
+
+
+def test_missing_gguf_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    missing = tmp_path / "absent.gguf"
+    assert main(["generate", "--model", str(missing), "--prompt", "x"]) == 2
+    assert f"no such GGUF file: {missing}" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("\n  \n", "no prompts in file"),
+    ('{"prompt": "ok"}\n{"prompt": "broken"\n', ":2: not valid JSON"),
+    ('{"prompt": "ok"}\n\n["a list"]\n', ":3: expected a JSON object"),
+    ('{"turns": []}\n', ":1: needs a string 'prompt'"),
+], ids=["empty", "malformed", "not-object", "no-prompt"])
+def test_bad_prompts_file(tmp_path, capsys, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    assert main([*BASE, "--prompts-file", str(path)]) == 2
+    line = one_error_line(capsys)
+    assert str(path) in line and message in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    pytest.param(["--gamma", "-1"], "gamma must be an int >= 0, got -1", id="gamma"),
+    pytest.param(["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5", id="top-p"),
+    pytest.param(["--temperature", "-1"], "temperature must be finite and >= 0", id="temperature"),
+    pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0", id="max-new-tokens"),
+    pytest.param(["--batch-size", "0"], "batch_size must be an int >= 1, got 0", id="batch-size"),
+    pytest.param(["--drafter", "draft-model"], "needs draft_model (--draft-model", id="draft-model"),
+    pytest.param(["--prompt", ""], "encodes to no tokens", id="empty-prompt"),
+    pytest.param(["--prompts-file", "/nonexistent/p.jsonl"], "prompts file not found", id="no-prompts-file"),
+    pytest.param(["--config", "/nonexistent/run.yaml"], "config file not found", id="no-config-file"),
+])
+def test_out_of_range_flags(capsys, flags, message):
+    assert main([*BASE, "--prompt", "x", *flags]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("specdec-jax: error:") and message in line
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "temperature must be finite and >= 0, got -1.0"),
+    (["--top-k", "-2"], "top_k must be an int >= 0, got -2"),
+    (["--min-p", "2"], "min_p must be in [0, 1], got 2.0"),
+], ids=["top-p", "top-p-zero", "temperature", "top-k", "min-p"])
+def test_bad_sampling_flags_are_one_line_before_any_work(capsys, flags, message):
+    """Sampling flags are checked with the config, before a model is loaded."""
+    assert main([*BASE, "--prompt", "x", *flags]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("specdec-jax: error:") and line.endswith(message)
+
+
+def test_unknown_yaml_key_names_file_and_key(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("gamma: 2\ngama: 3\n")
+    assert main([*BASE, "--prompt", "x", "--config", str(config)]) == 2
+    line = one_error_line(capsys)
+    assert str(config) in line and "unknown key 'gama'" in line
+
+
+def test_bad_yaml_value_names_file(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("gamma: many\n")
+    assert main([*BASE, "--prompt", "x", "--config", str(config)]) == 2
+    line = one_error_line(capsys)
+    assert str(config) in line and "gamma must be an int >= 0, got 'many'" in line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gamma", "abc"], "argument --gamma: invalid int value: 'abc'"),
+    (["--drafter", "ngram", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_argparse_error_is_one_line_exit_2(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BASE, *flags])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys)
+    assert message in line

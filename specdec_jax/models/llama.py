@@ -211,8 +211,11 @@ def forward(
     (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
     if not compute_logits:
         return None, cache
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) @ head
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_embeddings:  # contract with embed [V, H] directly: `embed.T` gets copied inside loops
+        logits = jnp.einsum("bsh,vh->bsv", x, params["embed"])
+    else:
+        logits = x @ params["lm_head"]
     return logits.astype(jnp.float32), cache
 
 

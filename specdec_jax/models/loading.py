@@ -49,8 +49,9 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
     meta = {name: _field_value(field) for name, field in fields.items() if name.startswith(("tokenizer.", "general."))}
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
+    tokenizer = BPETokenizer.from_gguf_metadata(meta)  # fails fast, before a slow conversion
     config, arrays = _cached(path, lambda: read_gguf(path)[:2])
-    return LoadedModel(Llama.from_arrays(config, arrays), config, BPETokenizer.from_gguf_metadata(meta))
+    return LoadedModel(Llama.from_arrays(config, arrays), config, tokenizer)
 
 
 def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
@@ -61,6 +62,8 @@ def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
     hf = json.loads((path / "config.json").read_text())
     if hf.get("model_type") != "llama":
         raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only 'llama')")
+    if hf.get("rope_scaling"):
+        raise ValueError(f"{path}: rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
     heads = hf["num_attention_heads"]
     config = LlamaConfig(
         vocab_size=hf["vocab_size"],

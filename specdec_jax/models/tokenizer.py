@@ -79,5 +79,15 @@ class BPETokenizer:
             raise ValueError("this tokenizer has no chat template; send the text raw")
         import jinja2
 
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
         template = jinja2.Environment(keep_trailing_newline=True).from_string(self.chat_template)
-        return template.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True)
+        return template.render(
+            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+            bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
+            raise_exception=raise_exception,
+        )
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
