@@ -3,7 +3,9 @@
 Greedy speculative decoding and plain decoding (or two implementations) may
 part ways where the target's top-2 logits are nearly tied: the verify pass
 reduces in another shape than a 1-token step. A divergence is accepted only
-where the target's top-2 margin, on the reference path, is below `tol`.
+where the target's top-2 margin, on the reference path, is below `tol`. A pure
+length mismatch (one output a strict prefix of the other) is never accepted:
+the stop rules must agree.
 """
 
 from __future__ import annotations
@@ -24,20 +26,28 @@ DEFAULT_TOLERANCE = 5e-3  # logits; fp32 shape-dependent noise on SmolLM2-135M i
 class Comparison:
     exact: bool  # identical sequences
     first_divergence: int | None  # index of the first differing token (or the shorter length)
-    margin: float | None  # target's top-2 margin at the divergence
+    margin: float | None  # target's top-2 margin at the divergence (None: identical or length mismatch)
     ok: bool  # exact, or diverged first at a near-tie (margin < tol)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """First index where the lists differ (a length mismatch counts at the shorter length); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def compare_greedy(reference: Sequence[int], candidate: Sequence[int], margins: Sequence[float],
                    tol: float = DEFAULT_TOLERANCE) -> Comparison:
     """margins[i]: the target's top-2 logit margin where it predicted reference[i]."""
-    reference, candidate = list(reference), list(candidate)
-    if reference == candidate:
+    index = first_divergence(reference, candidate)
+    if index is None:
         return Comparison(True, None, None, True)
-    n = min(len(reference), len(candidate))
-    index = next((i for i in range(n) if reference[i] != candidate[i]), n)
-    margin = float(margins[index]) if index < len(margins) else None
-    return Comparison(False, index, margin, margin is not None and margin < tol)
+    if index >= min(len(reference), len(candidate)):
+        return Comparison(False, index, None, False)
+    margin = float(margins[index])
+    return Comparison(False, index, margin, margin < tol)
 
 
 def top2_margin(logits: jax.Array) -> jax.Array:
@@ -46,10 +56,28 @@ def top2_margin(logits: jax.Array) -> jax.Array:
     return top2[..., 0] - top2[..., 1]
 
 
-def teacher_forced_margins(model, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-    """f32[len(continuation)]: the target's top-2 margin at each continuation token, one forward pass."""
-    tokens = jnp.asarray([list(prompt) + list(continuation)], jnp.int32)
-    cache = model.config.init_cache(1, tokens.shape[1])
-    logits, _ = jax.jit(forward, static_argnums=0)(model.config, model.params(), tokens, cache)
+_forward = jax.jit(forward, static_argnums=0)
+
+
+def teacher_forced_margins(config, params, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+    """f32[len(continuation)]: the target's top-2 margin where it predicts each continuation token.
+
+    One forward pass over prompt + continuation, padded to a power of two (one compile per bucket).
+    """
+    sequence = list(prompt) + list(continuation)
+    width = 1 << max(4, (len(sequence) - 1).bit_length())
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, : len(sequence)] = sequence
+    logits, _ = _forward(config, params, jnp.asarray(tokens), config.init_cache(1, width))
     start = len(prompt) - 1
     return np.asarray(top2_margin(logits[0, start : start + len(continuation)]))
+
+
+def compare_rows(config, params, prompts, references, candidates,
+                 tol: float = DEFAULT_TOLERANCE) -> tuple[float, list[Comparison]]:
+    """Compares each candidate row with its reference; returns (exact-match rate, comparisons)."""
+    rows = []
+    for prompt, ref, cand in zip(prompts, references, candidates):
+        margins = teacher_forced_margins(config, params, prompt, ref) if ref != cand else ()
+        rows.append(compare_greedy(ref, cand, margins, tol))
+    return sum(r.exact for r in rows) / max(len(rows), 1), rows

@@ -43,7 +43,7 @@ def demo(cfg: RunConfig) -> dict:
 
         compile_s = {g: run(g, 1).wall_s for g in (0, cfg.gamma)}
         plain, spec = run(0, cfg.max_new_tokens), run(cfg.gamma, cfg.max_new_tokens)
-        margins = teacher_forced_margins(target.model, ids, plain.tokens[0])
+        margins = teacher_forced_margins(target.config, target.model.params(), ids, plain.tokens[0])
         same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
         rows.append({
             "id": record["id"],

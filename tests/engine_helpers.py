@@ -1,0 +1,243 @@
+"""Shared pieces of the engine tests: models, prompts, cached reference runs,
+hand-driven rounds, cache rebuilding, and the tie-aware greedy comparator.
+
+Compiles cost seconds on CPU, so every test that can reuses one shape family:
+the ragged batch `RAGGED` (batch bucket 4, prompt bucket 32), `MAX_NEW`
+tokens, gamma `GAMMA`, the default capacity (128) and the EOS id picked by
+`eos_id()`. Reference outputs are cached per process, so test files run in one
+pytest session share them.
+
+The tie-aware comparator is the library's (`specdec_jax.compare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import engine
+from specdec_jax.compare import compare_rows
+from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.models import load_model
+from specdec_jax.models.llama import LlamaConfig, forward
+from specdec_jax.sampling import RowSampling, SamplingParams
+
+MAX_NEW = 40
+GAMMA = 4
+
+
+def _ragged_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1234)
+    return [
+        rng.integers(0, 256, 3).tolist(),  # short, random
+        rng.integers(0, 256, 9).tolist(),  # random
+        [10, 20, 30, 40] * 4 + [10],  # 17 tokens, repetitive: n-gram matches at once
+        [1, 2, 3, 4, 5, 6] * 5,  # 30 tokens, repetitive
+    ]
+
+
+RAGGED = _ragged_prompts()  # lengths 3, 9, 17, 30
+
+
+@functools.cache
+def target():
+    return load_model("tiny-random")
+
+
+@functools.cache
+def draft():
+    return load_model("tiny-random-draft")
+
+
+def ngram() -> NgramDrafter:
+    return NgramDrafter()
+
+
+def model_drafter() -> ModelDrafter:
+    return ModelDrafter(draft().config, draft().model.params())
+
+
+def oracle(alpha: float) -> ModelDrafter:
+    return oracle_drafter(target().config, target().model.params(), alpha)
+
+
+@functools.cache
+def reference_no_eos():
+    """Plain decoding (gamma 0) of RAGGED without an EOS id."""
+    return engine.generate(target(), RAGGED, max_new_tokens=MAX_NEW)
+
+
+def choose_eos(outputs: Sequence[Sequence[int]], earliest: int = 4) -> int:
+    """A token that occurs mid-run in some row and never in the first `earliest` tokens of any row.
+
+    Among candidates, the one ending the most rows (but not all, so some rows
+    stop on the budget) wins; ties go to the smallest id. Deterministic.
+    """
+    first = [{} for _ in outputs]
+    for row, out in zip(first, outputs):
+        for i, t in enumerate(out):
+            row.setdefault(t, i)
+    candidates = []
+    for t in sorted(set().union(*first)):
+        hits = [row[t] for row in first if t in row]
+        if min(hits) >= earliest and len(hits) < len(outputs) and min(hits) <= len(outputs[0]) - 8:
+            candidates.append((-len(hits), t))
+    assert candidates, "no token occurs mid-run: pick another prompt set"
+    return min(candidates)[1]
+
+
+@functools.cache
+def eos_id() -> int:
+    return choose_eos(reference_no_eos().tokens)
+
+
+@functools.cache
+def reference():
+    """Plain decoding (gamma 0) of RAGGED with `eos_id()`: the output every spec run must match."""
+    return engine.generate(target(), RAGGED, max_new_tokens=MAX_NEW, eos_id=eos_id())
+
+
+# ----------------------------------------------------------------------------
+# Driving rounds by hand (mirrors the argument preparation of engine.generate)
+
+
+@dataclasses.dataclass
+class HandRun:
+    spec: engine.EngineSpec
+    target_params: dict
+    drafter_params: object
+    state: engine.DecodeState
+    num_rows: int
+
+    def round(self) -> engine.DecodeState:
+        """One draft step then one verify step; returns the state after the draft step."""
+        drafted = engine.draft_step(self.spec, self.drafter_params, self.state)
+        self.state = engine.verify_step(self.spec, self.target_params, drafted)
+        return drafted
+
+    def outputs(self) -> tuple[list[list[int]], list[str]]:
+        tokens, num, lens, reasons = jax.device_get(
+            (self.state.tokens, self.state.num_tokens, self.state.prompt_lens, self.state.stop_reason)
+        )
+        out = [tokens[b, lens[b] : num[b]].tolist() for b in range(self.num_rows)]
+        why = [engine.STOP_REASONS.get(int(r), "running") for r in reasons[: self.num_rows]]
+        return out, why
+
+
+def prepare(
+    prompts,
+    drafter=None,
+    *,
+    gamma=0,
+    sampling=SamplingParams(),
+    max_new_tokens=MAX_NEW,
+    eos=None,
+    seed=0,
+    capacity=None,
+) -> HandRun:
+    """The state `generate` builds before its loop, for hand-driven rounds."""
+    model = target().model
+    config, params = model.config, model.params()
+    num_rows = len(prompts)
+    batch = engine._next_power_of_two(num_rows)
+    longest = max(map(len, prompts))
+    width = engine.prompt_bucket(longest)
+    capacity = capacity or engine.default_capacity(longest, max_new_tokens, gamma)
+    padded = np.zeros((batch, width), np.int32)
+    lens = np.ones((batch,), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        lens[b] = len(p)
+    rows = RowSampling.from_params([sampling] * batch, batch)
+    spec = engine.EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos)
+    drafter_params = drafter.params if gamma > 0 else None
+    state = engine.prefill(
+        spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
+        jnp.full((batch,), max_new_tokens, jnp.int32), jnp.arange(batch) < num_rows,
+        jnp.arange(batch, dtype=jnp.int32), rows, jax.random.key(seed),
+    )
+    return HandRun(spec, params, drafter_params, state, num_rows)
+
+
+# ----------------------------------------------------------------------------
+# Rebuilding caches and teacher-forced logits from scratch
+
+_forward = jax.jit(forward, static_argnums=0, static_argnames="compute_logits")
+
+
+def rebuild_cache(config: LlamaConfig, params, tokens: np.ndarray, capacity: int):
+    """Keys/values (k, v: [L,B,T,Hkv,D]) of a fresh prefill of `tokens` i32[B,W] (W <= capacity).
+
+    Attention is causal, so slot j depends only on tokens 0..j: padding after
+    a row's committed tokens does not change its committed slots.
+    """
+    cache = config.init_cache(tokens.shape[0], capacity)
+    _, cache = _forward(config, params, jnp.asarray(tokens, jnp.int32), cache, compute_logits=False)
+    return np.asarray(cache.k), np.asarray(cache.v)
+
+
+TEACHER_WIDTH = 128  # one compile for every teacher-forced sequence (prompt + output <= 128)
+
+
+def teacher_logits(config: LlamaConfig, params, sequence: Sequence[int]) -> np.ndarray:
+    """f32[len, V]: row i is the target's logits after sequence[: i + 1] (one forward pass)."""
+    if len(sequence) > TEACHER_WIDTH:
+        raise ValueError(f"sequence of {len(sequence)} tokens exceeds TEACHER_WIDTH {TEACHER_WIDTH}")
+    padded = np.zeros((1, TEACHER_WIDTH), np.int32)
+    padded[0, : len(sequence)] = sequence
+    logits, _ = _forward(config, params, jnp.asarray(padded), config.init_cache(1, TEACHER_WIDTH))
+    return np.asarray(logits[0, : len(sequence)])
+
+
+# ----------------------------------------------------------------------------
+# Tie-aware greedy comparison (DESIGN section 6), on top of specdec_jax.compare
+
+
+def assert_greedy_equivalent(config, params, prompts, references, candidates, tol: float = 1e-3) -> float:
+    """Raises AssertionError unless every divergence is a near-tie; returns the exact-match rate."""
+    exact, rows = compare_rows(config, params, prompts, references, candidates, tol)
+    bad = [(b, r) for b, r in enumerate(rows) if not r.ok]
+    assert not bad, f"divergences outside near-ties (tol {tol}): {bad}; exact-match rate {exact:.2f}"
+    return exact
+
+
+# ----------------------------------------------------------------------------
+# The oracle at alpha 1.0 driven by hand: every draft is the target's own greedy token
+
+ORACLE_MAX_NEW = 38  # not a multiple of gamma + 1: the budget clips the drafts of the last round
+
+
+@dataclasses.dataclass
+class History:
+    run: HandRun
+    states: list  # DecodeState before round 0, after round 0, after round 1, ...
+    proposals: list  # Proposal of round r (after draft_step's clipping)
+
+
+@functools.cache
+def oracle_all_accept_history() -> History:
+    """RAGGED with the alpha = 1.0 oracle, gamma GAMMA, eos_id(), ORACLE_MAX_NEW, round by round."""
+    run = prepare(RAGGED, oracle(1.0), gamma=GAMMA, eos=eos_id(), max_new_tokens=ORACLE_MAX_NEW)
+    states, proposals = [run.state], []
+    while bool(np.any(~np.asarray(run.state.done))) and len(proposals) < ORACLE_MAX_NEW:
+        proposals.append(run.round().proposal)
+        states.append(run.state)
+    return History(run, states, proposals)
+
+
+def truncated_reference(max_new: int) -> tuple[list[list[int]], list[str]]:
+    """What plain decoding of RAGGED with eos_id() gives under a smaller budget (derived, no run)."""
+    ref = reference()
+    out = [t[:max_new] for t in ref.tokens]
+    why = [r if len(t) <= max_new else "length" for t, r in zip(ref.tokens, ref.stop_reasons)]
+    return out, why
+
+
+def host(state: engine.DecodeState) -> engine.DecodeState:
+    """The state as numpy arrays (the PRNG key, which numpy cannot hold, is dropped)."""
+    return jax.device_get(state.replace(key=None))
