@@ -255,7 +255,7 @@ def test_gguf_incomplete_cache_is_converted_again(tmp_path, cache, weights, monk
     (folder / "config.json").unlink()
     calls = []
     real = gguf_loader.read_gguf
-    monkeypatch.setattr(gguf_loader, "read_gguf", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
     second = params_np(load_model(str(path)))
     assert len(calls) == 1 and (folder / "config.json").is_file()
     for name in first:

@@ -31,8 +31,11 @@ LAYER_TENSORS = {
 }
 
 
-def read_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
-    """Returns (config, {name: f32 array} in the layout of `param_shapes`, metadata dict)."""
+def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
+    """Returns (config, {name: f32 array} in the layout of `param_shapes`, metadata dict).
+
+    `check_metadata(meta)`, if given, runs before the (slow) dequantization.
+    """
     from gguf import GGUFReader
 
     path = pathlib.Path(path)
@@ -43,6 +46,8 @@ def read_gguf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, np.ndarr
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+    if check_metadata is not None:
+        check_metadata(meta)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, tied="output.weight" not in tensors)
 

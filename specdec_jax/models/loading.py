@@ -18,6 +18,7 @@ from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.registry import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer
 
+TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices transposed)
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -38,20 +39,19 @@ def load_smollm2(seed: int = 0) -> LoadedModel:
 
 def load_gguf(path: str | pathlib.Path) -> LoadedModel:
     """A llama-architecture GGUF file: weights (F32/F16/Q8_0/Q4_0/Q4_1) and its tokenizer."""
-    from gguf import GGUFReader
-
-    from specdec_jax.models.gguf_loader import _field_value, read_gguf
+    from specdec_jax.models.gguf_loader import read_gguf
 
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"no such GGUF file: {path}")
-    fields = GGUFReader(path).fields
-    meta = {name: _field_value(field) for name, field in fields.items() if name.startswith(("tokenizer.", "general."))}
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r} is not supported (only 'llama')")
-    tokenizer = BPETokenizer.from_gguf_metadata(meta)  # fails fast, before a slow conversion
-    config, arrays = _cached(path, lambda: read_gguf(path)[:2])
-    return LoadedModel(Llama.from_arrays(config, arrays), config, tokenizer)
+
+    def convert():
+        # The tokenizer is checked before the slow dequantization.
+        config, arrays, meta = read_gguf(path, check_metadata=BPETokenizer.from_gguf_metadata)
+        return config, arrays, {k: v for k, v in meta.items() if k.startswith(TOKENIZER_KEYS)}
+
+    config, arrays, meta = _cached(path, convert)
+    return LoadedModel(Llama.from_arrays(config, arrays), config, BPETokenizer.from_gguf_metadata(meta))
 
 
 def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
@@ -126,21 +126,31 @@ def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
     return BPETokenizer(tok, bos_id=token_id("bos_token"), eos_id=eos, chat_template=cfg.get("chat_template"))
 
 
-def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """(config, arrays) of `source`, from the orbax cache when the source's sha256 was converted before."""
+def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
+    """(config, arrays, tokenizer metadata) of `source`; from the cache when its sha256 was converted before.
+
+    The cache folder holds `params/` (orbax), `tokenizer.json` (metadata) and
+    `config.json`, written last: it marks the entry complete.
+    """
     import orbax.checkpoint as ocp
 
     folder = cache_dir() / "converted" / sha256_of(source)
-    config_file = folder / "config.json"
+    config_file, meta_file = folder / "config.json", folder / "tokenizer.json"
     checkpointer = ocp.StandardCheckpointer()
-    if config_file.is_file() and (folder / "params").is_dir():
+    if config_file.is_file() and meta_file.is_file() and (folder / "params").is_dir():
         config = LlamaConfig(**json.loads(config_file.read_text()))
         arrays = checkpointer.restore((folder / "params").resolve())
-        return config, {k: np.asarray(v) for k, v in arrays.items()}
+        return config, {k: np.asarray(v) for k, v in arrays.items()}, json.loads(meta_file.read_text())
     print(f"converting {source.name} (first load; cached for next time) ...", file=sys.stderr)
-    config, arrays = convert()
+    config, arrays, meta = convert()
     folder.mkdir(parents=True, exist_ok=True)
     checkpointer.save((folder / "params").resolve(), arrays, force=True)
     checkpointer.wait_until_finished()
-    config_file.write_text(json.dumps(dataclasses.asdict(config)))  # written last: marks the cache complete
-    return config, arrays
+    meta_file.write_text(json.dumps(meta, default=_jsonable))
+    config_file.write_text(json.dumps(dataclasses.asdict(config)))
+    return config, arrays, meta
+
+
+def _jsonable(value):
+    """numpy scalars/arrays in GGUF metadata -> plain Python."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
