@@ -1,4 +1,4 @@
-"""Command line: `specdec-jax {demo,generate,theory} ...`.
+"""Command line: `specdec-jax {demo,generate,bench,theory} ...`.
 
 Errors in user input print one line on stderr and exit with code 2 (no traceback).
 """
@@ -83,6 +83,18 @@ def _demo(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from specdec_jax.bench import bench, format_report
+
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
+    report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category)
+    print(format_report(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
 def _theory(args) -> int:
     closed = theory.expected_tokens_per_round(args.alpha, args.gamma)
     print(f"alpha {args.alpha}, gamma {args.gamma}: E[tokens per round] = {closed:.4f} (closed form)")
@@ -126,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for prompts")
     add_run_flags(p)
     p.set_defaults(func=_generate)
+    p = sub.add_parser("bench", help="time plain vs speculative decoding side by side, with the cost model")
+    add_run_flags(p)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each mode per batch (medians)")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="keep the first N prompts of each category of the prompts file")
+    p.set_defaults(func=_bench)
     p = sub.add_parser("theory", help="closed-form tokens per round for acceptance alpha and gamma drafts")
     p.add_argument("--alpha", type=float, required=True, help="per-position acceptance probability in [0, 1]")
     p.add_argument("--gamma", type=int, required=True, help="drafts per round (>= 0)")

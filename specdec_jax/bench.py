@@ -1,0 +1,255 @@
+"""`specdec-jax bench`: plain vs speculative decoding, timed side by side and explained by the cost model.
+
+For each batch of prompts both programs are compiled first (a 1-token run with
+the same shapes; its time is reported as compile time), then `repeats` timed
+runs alternate plain (gamma 0) and speculative decoding so machine noise hits
+both alike; medians are kept. The cost model of DESIGN section 8 is measured
+in the same run on the same shapes:
+
+    T1  one target pass of 1 token           Tv  one verify pass of gamma + 1 tokens
+    Td  one draft step (the drafter's whole proposal / gamma)
+    predicted speedup = tau * T1 / (gamma * Td + Tv),   tau = tokens per round
+
+and the machine's memory bandwidth (a large read in JAX) gives the floor of
+plain decoding: parameter bytes per token / bandwidth.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from specdec_jax import engine
+from specdec_jax.compare import compare_rows
+from specdec_jax.config import RunConfig
+from specdec_jax.models import load_model
+from specdec_jax.models.llama import forward
+from specdec_jax.runner import build_drafter, encode, prompt_records, sampling_params
+from specdec_jax.sampling import RowSampling
+
+
+def median_time(fn, repeats: int = 7) -> float:
+    """Median seconds of `fn()` (which must block until its result is ready), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
+    """Bytes per second of a jitted sum over a float32 array of `num_bytes`."""
+    data = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return num_bytes / median_time(lambda: total(data).block_until_ready())
+
+
+def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
+    """T1, Tv, Td (seconds) on the shapes of this batch, measured with the engine's own jitted pieces."""
+    config, params = target.config, target.model.params()
+    batch = engine._next_power_of_two(len(prompts))
+    fwd = jax.jit(forward, static_argnums=0)
+    cache = config.init_cache(batch, capacity).with_lengths(jnp.full((batch,), max(map(len, prompts)), jnp.int32))
+
+    def target_pass(width):
+        tokens = jnp.ones((batch, width), jnp.int32)
+        return lambda: fwd(config, params, tokens, cache)[0].block_until_ready()
+
+    out = {"T1": median_time(target_pass(1)), "Tv": median_time(target_pass(gamma + 1)), "Td": 0.0}
+    if gamma and drafter is not None:
+        spec, state = _prefilled_state(target, drafter, gamma, prompts, capacity, cfg)
+        step = lambda: engine.draft_step(spec, drafter.params, state).proposal.drafts.block_until_ready()  # noqa: E731
+        out["Td"] = median_time(step) / gamma
+    return out
+
+
+def _prefilled_state(target, drafter, gamma, prompts, capacity, cfg):
+    """(spec, engine state right after prefill), as `generate` builds them (for timing one draft step)."""
+    batch = engine._next_power_of_two(len(prompts))
+    width = engine.prompt_bucket(max(map(len, prompts)))
+    padded = np.zeros((batch, width), np.int32)
+    lens = np.ones((batch,), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)], lens[b] = p, len(p)
+    spec = engine.EngineSpec(target.config, drafter, gamma, capacity, None)
+    state = engine.prefill(
+        spec, target.model.params(), drafter.params, jnp.asarray(padded), jnp.asarray(lens),
+        jnp.full((batch,), cfg.max_new_tokens, jnp.int32), jnp.arange(batch) < len(prompts),
+        jnp.arange(batch, dtype=jnp.int32), RowSampling.from_params(sampling_params(cfg), batch), jax.random.key(0),
+    )
+    return spec, state
+
+
+def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True) -> dict:
+    """Runs the benchmark; returns the JSON-ready report (also printed as tables by the CLI)."""
+    if cfg.effective_gamma == 0:
+        raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
+    target = load_model(cfg.model)
+    drafter = build_drafter(cfg, target)
+    records = _subsample(prompt_records(cfg), per_category)
+    tok = target.tokenizer
+    eos = None if cfg.ignore_eos else tok.eos_id
+    gamma = cfg.gamma
+    rows = []
+    batches = [records[i : i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
+    for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress):
+        prompts = [encode(tok, r["prompt"], cfg.raw) for r in chunk]
+        capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, gamma)
+
+        def run(g, max_new):
+            return engine.generate(
+                target, prompts, drafter if g else None, gamma=g, sampling=sampling_params(cfg),
+                max_new_tokens=max_new, eos_id=eos, seed=cfg.seed, capacity=capacity,
+            )
+
+        compile_s = {g: run(g, 1).wall_s for g in (0, gamma)}
+        walls, results = {0: [], gamma: []}, {}
+        for _ in range(repeats):
+            for g in (0, gamma):
+                results[g] = run(g, cfg.max_new_tokens)
+                walls[g].append(results[g].wall_s)
+        plain, spec = results[0], results[gamma]
+        costs = cost_model(target, drafter, gamma, prompts, capacity, cfg)
+        exact, comparisons = (
+            compare_rows(target.config, target.model.params(), prompts, plain.tokens, spec.tokens)
+            if cfg.temperature == 0 else (None, [None] * len(chunk))
+        )
+        rows.append(_batch_row(chunk, plain, spec, walls, compile_s, costs, comparisons, gamma))
+    bandwidth = memory_bandwidth()
+    param_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in target.model.params().values())
+    return _report(cfg, rows, bandwidth, param_bytes, repeats)
+
+
+def _subsample(records: list[dict], per_category: int | None) -> list[dict]:
+    if not per_category:
+        return records
+    seen = collections.Counter()
+    kept = []
+    for r in records:
+        key = r.get("category", "all")
+        if seen[key] < per_category:
+            seen[key] += 1
+            kept.append(r)
+    return kept
+
+
+def _batch_row(chunk, plain, spec, walls, compile_s, costs, comparisons, gamma) -> dict:
+    plain_s, spec_s = statistics.median(walls[0]), statistics.median(walls[gamma])
+    plain_tokens = sum(map(len, plain.tokens))
+    spec_tokens = sum(map(len, spec.tokens))
+    tau = spec.metrics.mean_accepted_length
+    predicted = tau * costs["T1"] / (gamma * costs["Td"] + costs["Tv"])
+    measured = (spec_tokens / spec_s) / (plain_tokens / plain_s)
+    return {
+        "ids": [r["id"] for r in chunk],
+        "categories": [r.get("category", "all") for r in chunk],
+        "plain_s": plain_s,
+        "spec_s": spec_s,
+        "plain_tokens": plain_tokens,
+        "spec_tokens": spec_tokens,
+        "plain_tokens_per_s": plain_tokens / plain_s,
+        "spec_tokens_per_s": spec_tokens / spec_s,
+        "speedup": measured,
+        "tokens_per_round": tau,
+        "acceptance_rate": spec.metrics.acceptance_rate,
+        "position_proposed": spec.metrics.position_proposed,
+        "position_accepted": spec.metrics.position_accepted,
+        "rounds": spec.metrics.rounds,
+        "draft_tokens": spec.metrics.draft_tokens,
+        "accepted_tokens": spec.metrics.accepted_tokens,
+        "emitted_tokens": spec.metrics.emitted_tokens,
+        **costs,
+        "predicted_speedup": predicted,
+        "measured_over_predicted": measured / predicted,
+        "compile_s": {"plain": compile_s[0], "spec": compile_s[gamma]},
+        "exact_equal": [None if c is None else c.exact for c in comparisons],
+        "tie_aware_equal": [None if c is None else c.ok for c in comparisons],
+    }
+
+
+def _aggregate(rows: list[dict], gamma: int) -> dict:
+    """Totals over batches: tokens/s from summed tokens and summed median times; cost terms averaged."""
+    plain_s, spec_s = sum(r["plain_s"] for r in rows), sum(r["spec_s"] for r in rows)
+    plain_tok, spec_tok = sum(r["plain_tokens"] for r in rows), sum(r["spec_tokens"] for r in rows)
+    rounds, emitted = sum(r["rounds"] for r in rows), sum(r["emitted_tokens"] for r in rows)
+    drafted, accepted = sum(r["draft_tokens"] for r in rows), sum(r["accepted_tokens"] for r in rows)
+    proposed = np.sum([r["position_proposed"] for r in rows], axis=0)
+    pos_acc = np.sum([r["position_accepted"] for r in rows], axis=0)
+    t1, tv, td = (statistics.median(r[k] for r in rows) for k in ("T1", "Tv", "Td"))
+    tau = emitted / rounds if rounds else float("nan")
+    predicted = tau * t1 / (gamma * td + tv)
+    speedup = (spec_tok / spec_s) / (plain_tok / plain_s)
+    flags = [x for r in rows for x in r["tie_aware_equal"] if x is not None]
+    exact = [x for r in rows for x in r["exact_equal"] if x is not None]
+    return {
+        "prompts": sum(len(r["ids"]) for r in rows),
+        "plain_tokens_per_s": plain_tok / plain_s,
+        "spec_tokens_per_s": spec_tok / spec_s,
+        "speedup": speedup,
+        "tokens_per_round": tau,
+        "acceptance_rate": accepted / drafted if drafted else float("nan"),
+        "per_position_acceptance": [a / p if p else float("nan") for a, p in zip(pos_acc, proposed)],
+        "T1_ms": 1000 * t1, "Tv_ms": 1000 * tv, "Td_ms": 1000 * td, "Tv_over_T1": tv / t1,
+        "predicted_speedup": predicted,
+        "measured_over_predicted": speedup / predicted,
+        "exact_match_rate": sum(exact) / len(exact) if exact else None,
+        "tie_aware_equal": all(flags) if flags else None,
+    }
+
+
+def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int, repeats: int) -> dict:
+    by_category = collections.defaultdict(list)
+    for r in rows:
+        by_category[r["categories"][0] if len(set(r["categories"])) == 1 else "mixed"].append(r)
+    overall = _aggregate(rows, cfg.gamma)
+    floor_s = param_bytes / bandwidth
+    plain_step_s = cfg.batch_size / overall["plain_tokens_per_s"]  # one target step emits a token per row
+    return {
+        "config": cfg.to_dict(),
+        "repeats": repeats,
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "memory_bandwidth_gb_s": bandwidth / 1e9,
+        "param_bytes": param_bytes,
+        "bandwidth_floor_ms_per_step": 1000 * floor_s,
+        "plain_fraction_of_bandwidth_floor": floor_s / plain_step_s,
+        "overall": overall,
+        "categories": {k: _aggregate(v, cfg.gamma) for k, v in sorted(by_category.items())},
+        "batches": rows,
+    }
+
+
+def format_report(report: dict) -> str:
+    """Markdown tables: per category and overall, plus the bandwidth line."""
+    cfg = report["config"]
+    head = (f"Bench: {cfg['model']}, drafter {cfg['drafter']}, gamma {cfg['gamma']}, batch {cfg['batch_size']}, "
+            f"{cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, {report['repeats']} repeats "
+            f"(medians), {report['device']}")
+    lines = [head, "",
+             "| category | prompts | plain tok/s | spec tok/s | speedup | tok/round | accept | T1 ms | Tv ms | Td ms "
+             "| Tv/T1 | predicted | meas/pred | equal (exact rate) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in [*report["categories"].items(), ("**overall**", report["overall"])]:
+        equal = "-" if a["tie_aware_equal"] is None else f"{'yes' if a['tie_aware_equal'] else 'NO'} ({a['exact_match_rate']:.2f})"
+        lines.append(
+            f"| {name} | {a['prompts']} | {a['plain_tokens_per_s']:.1f} | {a['spec_tokens_per_s']:.1f} | "
+            f"{a['speedup']:.2f}x | {a['tokens_per_round']:.2f} | {a['acceptance_rate']:.2f} | {a['T1_ms']:.1f} | "
+            f"{a['Tv_ms']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
+            f"{a['measured_over_predicted']:.2f} | {equal} |")
+    pos = ", ".join(f"{x:.2f}" for x in report["overall"]["per_position_acceptance"])
+    lines += ["", f"per-position acceptance (overall): [{pos}]",
+              f"memory bandwidth {report['memory_bandwidth_gb_s']:.1f} GB/s; parameters "
+              f"{report['param_bytes'] / 1e6:.0f} MB -> floor {report['bandwidth_floor_ms_per_step']:.1f} ms per "
+              f"target step; plain decoding runs at {100 * report['plain_fraction_of_bandwidth_floor']:.0f}% of it",
+              f"compile (first call, s): " + ", ".join(
+                  f"plain {r['compile_s']['plain']:.1f} / spec {r['compile_s']['spec']:.1f}" for r in report["batches"][:3])
+              + (" ..." if len(report["batches"]) > 3 else "")]
+    return "\n".join(lines)
