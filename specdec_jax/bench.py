@@ -33,7 +33,6 @@ from specdec_jax.config import RunConfig
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import forward
 from specdec_jax.runner import build_drafter, encode, prompt_records, sampling_params
-from specdec_jax.sampling import RowSampling
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -56,10 +55,11 @@ def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
 
 def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
     """T1, Tv, Td (seconds) on the shapes of this batch, measured with the engine's own jitted pieces."""
-    config, params = target.config, target.model.params()
-    batch = engine._next_power_of_two(len(prompts))
+    run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
+                         max_new_tokens=cfg.max_new_tokens, capacity=capacity)
+    config, params, cache = target.config, run.params, run.state.cache
+    batch = cache.lengths.shape[0]
     fwd = jax.jit(forward, static_argnums=0)
-    cache = config.init_cache(batch, capacity).with_lengths(jnp.full((batch,), max(map(len, prompts)), jnp.int32))
 
     def target_pass(width):
         tokens = jnp.ones((batch, width), jnp.int32)
@@ -67,28 +67,10 @@ def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: 
 
     out = {"T1": median_time(target_pass(1)), "Tv": median_time(target_pass(gamma + 1)), "Td": 0.0}
     if gamma and drafter is not None:
-        spec, state = _prefilled_state(target, drafter, gamma, prompts, capacity, cfg)
         # Return only the proposal: returning the whole state would time a copy of the KV caches.
-        propose = jax.jit(lambda s: engine.draft_step(spec, drafter.params, s).proposal)
-        out["Td"] = median_time(lambda: propose(state).drafts.block_until_ready()) / gamma
+        propose = jax.jit(lambda s: engine.draft_step(run.spec, run.drafter_params, s).proposal)
+        out["Td"] = median_time(lambda: propose(run.state).drafts.block_until_ready()) / gamma
     return out
-
-
-def _prefilled_state(target, drafter, gamma, prompts, capacity, cfg):
-    """(spec, engine state right after prefill), as `generate` builds them (for timing one draft step)."""
-    batch = engine._next_power_of_two(len(prompts))
-    width = engine.prompt_bucket(max(map(len, prompts)))
-    padded = np.zeros((batch, width), np.int32)
-    lens = np.ones((batch,), np.int32)
-    for b, p in enumerate(prompts):
-        padded[b, : len(p)], lens[b] = p, len(p)
-    spec = engine.EngineSpec(target.config, drafter, gamma, capacity, None)
-    state = engine.prefill(
-        spec, target.model.params(), drafter.params, jnp.asarray(padded), jnp.asarray(lens),
-        jnp.full((batch,), cfg.max_new_tokens, jnp.int32), jnp.arange(batch) < len(prompts),
-        jnp.arange(batch, dtype=jnp.int32), RowSampling.from_params(sampling_params(cfg), batch), jax.random.key(0),
-    )
-    return spec, state
 
 
 def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True) -> dict:

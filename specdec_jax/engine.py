@@ -201,6 +201,64 @@ def prefill(spec: EngineSpec, target_params, drafter_params, prompts, prompt_len
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated, bucketed, prefilled batch: what `generate` runs the loop on."""
+
+    spec: EngineSpec
+    params: Any  # target weights
+    drafter_params: Any
+    state: DecodeState  # right after prefill
+    prompt_lens: np.ndarray  # i32[B] (padding rows: 1)
+    num_rows: int  # real prompts (B is bucketed up to a power of two)
+
+
+def prepare(
+    target,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    *,
+    gamma: int | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    max_new_tokens: int = 128,
+    eos_id: int | None = None,
+    seed: int = 0,
+    row_ids: Sequence[int] | None = None,
+    capacity: int | None = None,
+) -> Prepared:
+    """Validates the inputs, buckets shapes and prefills; arguments as in `generate`."""
+    model = target if isinstance(target, Llama) else target.model
+    config, params = model.config, model.params()
+    gamma = (0 if drafter is None else 4) if gamma is None else gamma
+    prompts = [list(map(int, p)) for p in prompts]
+    _validate(config, prompts, drafter, gamma, max_new_tokens, eos_id, capacity)
+    num_rows = len(prompts)
+    batch = _next_power_of_two(num_rows)
+    prompt_width = prompt_bucket(max(map(len, prompts)))
+    capacity = capacity or default_capacity(max(map(len, prompts)), max_new_tokens, gamma)
+    padded = np.zeros((batch, prompt_width), np.int32)
+    lens = np.ones((batch,), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        lens[b] = len(p)
+    ids = np.arange(batch, dtype=np.int32) if row_ids is None else np.array(list(row_ids) + [0] * (batch - num_rows), np.int32)
+    if len(ids) != batch:
+        raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(ids) - batch + num_rows}")
+    per_row = [sampling] * num_rows if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(per_row) != num_rows:
+        raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
+    rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
+
+    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id)
+    drafter_params = drafter.params if gamma > 0 else None
+    state = prefill(
+        spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
+        jnp.full((batch,), max_new_tokens, jnp.int32), jnp.arange(batch) < num_rows, jnp.asarray(ids), rows,
+        jax.random.key(seed),
+    )
+    return Prepared(spec, params, drafter_params, state, lens, num_rows)
+
+
 def generate(
     target,
     prompts: Sequence[Sequence[int]],
@@ -241,36 +299,12 @@ def generate(
     Returns:
       GenerationResult: emitted tokens and stop reason per row, batch metrics.
     """
-    model = target if isinstance(target, Llama) else target.model
-    config, params = model.config, model.params()
-    gamma = (0 if drafter is None else 4) if gamma is None else gamma
-    prompts = [list(map(int, p)) for p in prompts]
-    _validate(config, prompts, drafter, gamma, max_new_tokens, eos_id, capacity)
-    num_rows = len(prompts)
-    batch = _next_power_of_two(num_rows)
-    prompt_width = prompt_bucket(max(map(len, prompts)))
-    capacity = capacity or default_capacity(max(map(len, prompts)), max_new_tokens, gamma)
-    padded = np.zeros((batch, prompt_width), np.int32)
-    lens = np.ones((batch,), np.int32)
-    for b, p in enumerate(prompts):
-        padded[b, : len(p)] = p
-        lens[b] = len(p)
-    ids = np.arange(batch, dtype=np.int32) if row_ids is None else np.array(list(row_ids) + [0] * (batch - num_rows), np.int32)
-    if len(ids) != batch:
-        raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(ids) - batch + num_rows}")
-    per_row = [sampling] * num_rows if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(per_row) != num_rows:
-        raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
-    rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
-
-    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id)
-    drafter_params = drafter.params if gamma > 0 else None
     start = time.perf_counter()
-    state = prefill(
-        spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
-        jnp.full((batch,), max_new_tokens, jnp.int32), jnp.arange(batch) < num_rows, jnp.asarray(ids), rows,
-        jax.random.key(seed),
+    run = prepare(
+        target, prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
+        seed=seed, row_ids=row_ids, capacity=capacity,
     )
+    spec, params, drafter_params, state = run.spec, run.params, run.drafter_params, run.state
     if python_loop:
         while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
             state = decode_round(spec, params, drafter_params, state)
@@ -278,6 +312,7 @@ def generate(
         state = run_loop(spec, params, drafter_params, state)
     tokens, num_tokens, reasons = jax.device_get((state.tokens, state.num_tokens, state.stop_reason))
     wall = time.perf_counter() - start
+    lens, num_rows = run.prompt_lens, run.num_rows
     return GenerationResult(
         tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
