@@ -10,7 +10,12 @@ in the same run on the same shapes:
 
     T1  one target pass of 1 token           Tv  one verify pass of gamma + 1 tokens
     Td  one draft step (the drafter's whole proposal / gamma)
-    predicted speedup = tau * T1 / (gamma * Td + Tv),   tau = tokens per round
+    T(w) the target pass at each verify width w the engine compiles (EngineSpec.verify_widths)
+    predicted speedup = tau * T1 / (gamma * Td + mean T(w) over the rounds run)
+
+The engine verifies each round at the narrowest width that holds every row's
+drafts, so rounds where the drafter found nothing cost T1, not Tv; the round
+count at each width comes from the run's metrics.
 
 and the machine's memory bandwidth (a large read in JAX) gives the floor of
 plain decoding: parameter bytes per token / bandwidth.
@@ -54,7 +59,8 @@ def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
 
 
 def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
-    """T1, Tv, Td (seconds) on the shapes of this batch, measured with the engine's own jitted pieces."""
+    """T1, Tv, Td and the target pass at every verify width (seconds), on the shapes of this
+    batch, measured with the engine's own jitted pieces."""
     run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
                          max_new_tokens=cfg.max_new_tokens, capacity=capacity)
     config, params, cache = target.config, run.params, run.state.cache
@@ -65,7 +71,10 @@ def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: 
         tokens = jnp.ones((batch, width), jnp.int32)
         return lambda: fwd(config, params, tokens, cache)[0].block_until_ready()
 
-    out = {"T1": median_time(target_pass(1)), "Tv": median_time(target_pass(gamma + 1)), "Td": 0.0}
+    widths = run.spec.verify_widths
+    by_width = {w: median_time(target_pass(w)) for w in widths}
+    out = {"T1": by_width[1], "Tv": by_width[gamma + 1], "Td": 0.0, "verify_widths": list(widths),
+           "T_by_width": [by_width[w] for w in widths]}
     if gamma and drafter is not None:
         # Return only the proposal: returning the whole state would time a copy of the KV caches.
         propose = jax.jit(lambda s: engine.draft_step(run.spec, run.drafter_params, s).proposal)
@@ -73,11 +82,27 @@ def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: 
     return out
 
 
-def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True) -> dict:
-    """Runs the benchmark; returns the JSON-ready report (also printed as tables by the CLI)."""
+def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True,
+          peer: str | None = None) -> dict:
+    """Runs the benchmark; returns the JSON-ready report (also printed as tables by the CLI).
+
+    peer="hf" also times transformers greedy and prompt-lookup decoding (prompt_lookup_num_tokens
+    = gamma) on the same checkpoint and prompts, right after ours on each prompt (batch size 1).
+    """
     if cfg.effective_gamma == 0:
         raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
+    if peer not in (None, "hf"):
+        raise ValueError(f"unknown peer {peer!r} (choices: hf)")
+    if peer and cfg.batch_size != 1:
+        raise ValueError("--peer hf compares single prompts: use --batch-size 1")
+    if peer and cfg.temperature != 0:
+        raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
     target = load_model(cfg.model)
+    hf = None
+    if peer:
+        from specdec_jax.peer_hf import HFPeer
+
+        hf = HFPeer(cfg.model)
     drafter = build_drafter(cfg, target)
     records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
@@ -108,9 +133,17 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
             compare_rows(target.config, target.model.params(), prompts, plain.tokens, spec.tokens)
             if cfg.temperature == 0 else (None, [None] * len(chunk))
         )
-        rows.append(_batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, comparisons, gamma))
+        row = _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, comparisons, gamma)
+        if hf is not None:
+            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, eos, lookup, repeats)
+                         for mode, lookup in (("greedy", 0), ("lookup", gamma))}
+            for result in row["hf"].values():
+                tokens = result.pop("tokens")
+                result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
+                result["same_as_plain"] = tokens == plain.tokens[0]
+        rows.append(row)
     bandwidth = memory_bandwidth()
-    param_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in target.model.params().values())
+    param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
     return _report(cfg, rows, bandwidth, param_bytes, repeats)
 
 
@@ -135,7 +168,8 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
     plain_tokens = sum(len(t) - 1 for t in plain.tokens)
     spec_tokens = sum(len(t) - 1 for t in spec.tokens)
     tau = spec.metrics.mean_accepted_length
-    predicted = tau * costs["T1"] / (gamma * costs["Td"] + costs["Tv"])
+    predicted_plain_s, predicted_spec_s = _predicted_times(plain, spec, costs, gamma)
+    predicted = (spec.metrics.emitted_tokens / predicted_spec_s) / (plain.metrics.emitted_tokens / predicted_plain_s)
     measured = (spec_tokens / spec_s) / (plain_tokens / plain_s)
     return {
         "ids": [r["id"] for r in chunk],
@@ -152,6 +186,11 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
         "position_proposed": spec.metrics.position_proposed,
         "position_accepted": spec.metrics.position_accepted,
         "rounds": spec.metrics.rounds,
+        "loop_rounds": {"plain": plain.loop_rounds, "spec": spec.loop_rounds},
+        "plain_emitted_tokens": plain.metrics.emitted_tokens,
+        "width_rounds": spec.metrics.width_rounds,
+        "predicted_s": {"plain": predicted_plain_s, "spec": predicted_spec_s},
+        "verify_ms_per_round": 1000 * (predicted_spec_s / max(spec.loop_rounds, 1) - gamma * costs["Td"]),
         "draft_tokens": spec.metrics.draft_tokens,
         "accepted_tokens": spec.metrics.accepted_tokens,
         "emitted_tokens": spec.metrics.emitted_tokens,
@@ -166,6 +205,13 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
     }
 
 
+def _predicted_times(plain, spec, costs: dict, gamma: int) -> tuple[float, float]:
+    """Predicted decode seconds of the plain and the speculative run (DESIGN section 8): T1 per
+    plain loop round; per speculative round the verify width it actually ran plus gamma draft steps."""
+    verify_s = sum(n * t for n, t in zip(spec.metrics.width_rounds, costs["T_by_width"]))
+    return plain.loop_rounds * costs["T1"], verify_s + spec.loop_rounds * gamma * costs["Td"]
+
+
 def _aggregate(rows: list[dict], gamma: int) -> dict:
     """Totals over batches: tokens/s from summed tokens and summed median times; cost terms averaged."""
     plain_s, spec_s = sum(r["plain_s"] for r in rows), sum(r["spec_s"] for r in rows)
@@ -176,7 +222,11 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
     pos_acc = np.sum([r["position_accepted"] for r in rows], axis=0)
     t1, tv, td = (statistics.median(r[k] for r in rows) for k in ("T1", "Tv", "Td"))
     tau = emitted / rounds if rounds else float("nan")
-    predicted = tau * t1 / (gamma * td + tv)
+    predicted_rate = {g: sum(r["plain_emitted_tokens" if g == "plain" else "emitted_tokens"] for r in rows)
+                      / sum(r["predicted_s"][g] for r in rows) for g in ("plain", "spec")}
+    predicted = predicted_rate["spec"] / predicted_rate["plain"]
+    spec_rounds = sum(r["loop_rounds"]["spec"] for r in rows)
+    verify_ms = sum(r["verify_ms_per_round"] * r["loop_rounds"]["spec"] for r in rows) / max(spec_rounds, 1)
     speedup = (spec_tok / spec_s) / (plain_tok / plain_s)
     flags = [x for r in rows for x in r["tie_aware_equal"] if x is not None]
     exact = [x for r in rows for x in r["exact_equal"] if x is not None]
@@ -189,11 +239,25 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
         "acceptance_rate": accepted / drafted if drafted else float("nan"),
         "per_position_acceptance": [a / p if p else float("nan") for a, p in zip(pos_acc, proposed)],
         "T1_ms": 1000 * t1, "Tv_ms": 1000 * tv, "Td_ms": 1000 * td, "Tv_over_T1": tv / t1,
+        "verify_ms_per_round": verify_ms,
         "predicted_speedup": predicted,
         "measured_over_predicted": speedup / predicted,
         "exact_match_rate": sum(exact) / len(exact) if exact else None,
         "tie_aware_equal": all(flags) if flags else None,
+        **(_aggregate_peer(rows, plain_tok / plain_s, spec_tok / spec_s) if all("hf" in r for r in rows) else {}),
     }
+
+
+def _aggregate_peer(rows: list[dict], plain_rate: float, spec_rate: float) -> dict:
+    """transformers rates over the same rows (decode phase, tokens after the first) and our ratios to them."""
+    out = {}
+    for mode in ("greedy", "lookup"):
+        rate = sum(r["hf"][mode]["decode_tokens"] for r in rows) / sum(r["hf"][mode]["decode_s"] for r in rows)
+        out[f"hf_{mode}_tokens_per_s"] = rate
+        out[f"hf_{mode}_same_as_plain"] = sum(r["hf"][mode]["same_as_plain"] for r in rows) / len(rows)
+    out["plain_over_hf_greedy"] = plain_rate / out["hf_greedy_tokens_per_s"]
+    out["spec_over_hf_lookup"] = spec_rate / out["hf_lookup_tokens_per_s"]
+    return out
 
 
 def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int, repeats: int) -> dict:
@@ -225,16 +289,24 @@ def format_report(report: dict) -> str:
             f"{cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, {report['repeats']} repeats "
             f"(medians), {report['device']}")
     lines = [head, "",
-             "| category | prompts | plain tok/s | spec tok/s | speedup | tok/round | accept | T1 ms | Tv ms | Td ms "
-             "| Tv/T1 | predicted | meas/pred | equal (exact rate) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| category | prompts | plain tok/s | spec tok/s | speedup | tok/round | accept | T1 ms | Tv ms | "
+             "verify ms/round | Td ms | Tv/T1 | predicted | meas/pred | equal (exact rate) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in [*report["categories"].items(), ("**overall**", report["overall"])]:
         equal = "-" if a["tie_aware_equal"] is None else f"{'yes' if a['tie_aware_equal'] else 'NO'} ({a['exact_match_rate']:.2f})"
         lines.append(
             f"| {name} | {a['prompts']} | {a['plain_tokens_per_s']:.1f} | {a['spec_tokens_per_s']:.1f} | "
             f"{a['speedup']:.2f}x | {a['tokens_per_round']:.2f} | {a['acceptance_rate']:.2f} | {a['T1_ms']:.1f} | "
-            f"{a['Tv_ms']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
+            f"{a['Tv_ms']:.1f} | {a['verify_ms_per_round']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
             f"{a['measured_over_predicted']:.2f} | {equal} |")
+    if "hf_greedy_tokens_per_s" in report["overall"]:
+        lines += ["", "| category | hf greedy tok/s | ours plain / hf greedy | hf lookup tok/s | ours spec / hf lookup "
+                  "| hf greedy = ours | hf lookup = ours |", "|---|---|---|---|---|---|---|"]
+        for name, a in [*report["categories"].items(), ("**overall**", report["overall"])]:
+            lines.append(
+                f"| {name} | {a['hf_greedy_tokens_per_s']:.1f} | {a['plain_over_hf_greedy']:.2f}x | "
+                f"{a['hf_lookup_tokens_per_s']:.1f} | {a['spec_over_hf_lookup']:.2f}x | "
+                f"{a['hf_greedy_same_as_plain']:.2f} | {a['hf_lookup_same_as_plain']:.2f} |")
     pos = ", ".join(f"{x:.2f}" for x in report["overall"]["per_position_acceptance"])
     lines += ["", f"per-position acceptance (overall): [{pos}]",
               f"memory bandwidth {report['memory_bandwidth_gb_s']:.1f} GB/s; parameters "

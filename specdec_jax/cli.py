@@ -1,4 +1,4 @@
-"""Command line: `specdec-jax {demo,generate,bench,theory} ...`.
+"""Command line: `specdec-jax {demo,generate,bench,sweep,theory} ...`.
 
 Errors in user input print one line on stderr and exit with code 2 (no traceback).
 """
@@ -88,10 +88,20 @@ def _bench(args) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {args.repeats}")
-    report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category)
+    report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer)
     print(format_report(report))
     if args.json:
         write_json(args.json, report)
+    return 0
+
+
+def _sweep(args) -> int:
+    from specdec_jax.sweep import sweep
+
+    records = sweep(args.file, args.out)
+    print((args.out / "table.md").read_text(), end="")
+    print(f"{len(records)} points in {args.out / 'results.jsonl'}; plots: "
+          + ", ".join(sorted(p.name for p in args.out.glob("*.png"))))
     return 0
 
 
@@ -143,7 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each mode per batch (medians)")
     p.add_argument("--per-category", type=int, default=None, metavar="N",
                    help="keep the first N prompts of each category of the prompts file")
+    p.add_argument("--peer", choices=["hf"], default=None,
+                   help="also time transformers greedy and prompt-lookup decoding (needs the hf extra)")
     p.set_defaults(func=_bench)
+    p = sub.add_parser("sweep", help="run every point of a grid of configs; results.jsonl, csv, table, plots")
+    p.add_argument("file", type=pathlib.Path, help="sweep YAML: base (a config) and grid (key: list of values)")
+    p.add_argument("--out", type=pathlib.Path, required=True, help="output folder (resumes what is there)")
+    p.set_defaults(func=_sweep)
     p = sub.add_parser("theory", help="closed-form tokens per round for acceptance alpha and gamma drafts")
     p.add_argument("--alpha", type=float, required=True, help="per-position acceptance probability in [0, 1]")
     p.add_argument("--gamma", type=int, required=True, help="drafts per round (>= 0)")

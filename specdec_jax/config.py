@@ -37,7 +37,7 @@ class RunConfig:
     ignore_eos: bool = False
     oracle_alpha: float = 0.8
     ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
 
     def __post_init__(self):
         checks = (

@@ -52,6 +52,16 @@ class EngineSpec:
     eos_id: int | None
 
     @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Widths the verify pass is compiled at: 1 (no row has a draft) and gamma + 1.
+
+        A round where the drafter found nothing then costs one plain decoding step.
+        Intermediate widths were measured to add nothing for the n-gram drafter
+        (its drafts are almost always gamma long) and cost a compile each.
+        """
+        return (1,) if self.gamma == 0 else (1, self.gamma + 1)
+
+    @property
     def buffer_len(self) -> int:
         """Length of the committed-token buffer: T committed slots + t0 + one verify run."""
         return self.capacity + self.gamma + 2
@@ -104,13 +114,30 @@ def draft_step(spec: EngineSpec, drafter_params, state: DecodeState) -> DecodeSt
     return state.replace(proposal=proposal._replace(num_draft=num_draft.astype(jnp.int32)), drafter_state=drafter_state)
 
 
+def target_pass(spec: EngineSpec, target_params, inputs, cache: KVCache, max_draft):
+    """``(logits f32[B,G+1,V], cache, width index i32[])`` of ``inputs = [t0, drafts]: i32[B,G+1]``,
+    run at the narrowest of ``spec.verify_widths`` that is > ``max_draft`` (the most drafts
+    any row has); the logits of columns past that width are zeros and are never read."""
+    def at_width(width: int):
+        def run(cache: KVCache):
+            logits, cache = forward(spec.target, target_params, inputs[:, :width], cache)
+            return jnp.pad(logits, ((0, 0), (0, inputs.shape[1] - width), (0, 0))), cache
+        return run
+
+    widths = spec.verify_widths
+    if len(widths) == 1:
+        return (*at_width(widths[0])(cache), jnp.zeros((), jnp.int32))
+    branch = jnp.searchsorted(jnp.asarray(widths), max_draft + 1).astype(jnp.int32)
+    return (*jax.lax.switch(branch, [at_width(w) for w in widths], cache), branch)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def verify_step(spec: EngineSpec, target_params, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
     drafts, num_draft, draft_probs = state.proposal
     t0 = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)
     inputs = jnp.concatenate([t0, drafts], axis=1)  # i32[B,G+1]
-    logits, cache = forward(spec.target, target_params, inputs, state.cache)
+    logits, cache, width_index = target_pass(spec, target_params, inputs, state.cache, jnp.max(num_draft))
     counts = None
     if state.sampling.use_penalties:
         history = token_counts(state.tokens, state.num_tokens, spec.target.vocab_size)
@@ -146,7 +173,7 @@ def verify_step(spec: EngineSpec, target_params, state: DecodeState) -> DecodeSt
         cache=cache.with_lengths(num_tokens - 1),
         done=state.done | hit_eos | hit_length | hit_capacity,
         stop_reason=reason.astype(jnp.int32),
-        counters=state.counters.add_round(live, num_draft, result.n_accepted, n_emit),
+        counters=state.counters.add_round(live, num_draft, result.n_accepted, n_emit, width_index),
         step=state.step + 1,
     )
 
@@ -192,7 +219,7 @@ def prefill(spec: EngineSpec, target_params, drafter_params, prompts, prompt_len
         cache=cache.with_lengths(prompt_lens - 1),
         drafter_state=drafter_state,
         proposal=Proposal(jnp.zeros((batch, spec.gamma), jnp.int32), jnp.zeros((batch,), jnp.int32), None),
-        counters=Counters.zeros(batch, spec.gamma),
+        counters=Counters.zeros(batch, spec.gamma, len(spec.verify_widths)),
         step=jnp.zeros((), jnp.int32),
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's

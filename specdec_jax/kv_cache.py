@@ -1,5 +1,8 @@
 """Fixed-capacity key/value cache whose only mutable bookkeeping is ``lengths``.
 
+Keys and values are one ``[B,Hkv,T,D]`` buffer per layer (a tuple): attention
+reads a layer's buffer directly, with no slice copy and no transpose.
+
 Row ``b`` has committed slots ``0 .. lengths[b]-1``. A forward pass writes its S
 new keys/values at slots ``lengths[b] + s`` without changing ``lengths``; the
 caller commits by moving ``lengths`` forward. Rollback is moving it back
@@ -16,10 +19,10 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """Stacked per-layer keys and values plus the committed length of each row."""
+    """Per-layer keys and values plus the committed length of each row."""
 
-    k: jax.Array  # f32[L,B,T,Hkv,D]
-    v: jax.Array  # f32[L,B,T,Hkv,D]
+    k: tuple[jax.Array, ...]  # L x f32[B,Hkv,T,D]
+    v: tuple[jax.Array, ...]  # L x f32[B,Hkv,T,D]
     lengths: jax.Array  # i32[B]
 
     @classmethod
@@ -33,37 +36,42 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
     ) -> KVCache:
         """An empty cache: zero keys/values, ``lengths == 0``."""
-        shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+        shape = (batch, num_kv_heads, capacity, head_dim)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def capacity(self) -> int:
         """T, the number of slots per row."""
-        return self.k.shape[2]
+        return self.k[0].shape[2]
+
+    def stacked(self) -> tuple[jax.Array, jax.Array]:
+        """``(k, v)`` as ``[L,B,T,Hkv,D]`` arrays (a copy, for inspection and tests)."""
+        return tuple(jnp.stack(buffers).transpose(0, 1, 3, 2, 4) for buffers in (self.k, self.v))
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         """Same buffers, new committed lengths ``i32[B]`` (commit or rollback)."""
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
-    def write(self, layer: jax.Array | int, new_k: jax.Array, new_v: jax.Array) -> KVCache:
-        """Writes ``new_k, new_v: f32[B,S,Hkv,D]`` of one layer at slots ``lengths[b] + s``.
+    def write(self, layer: int, new_k: jax.Array, new_v: jax.Array) -> KVCache:
+        """Writes ``new_k, new_v: f32[B,S,Hkv,D]`` of layer ``layer`` at slots ``lengths[b] + s``.
 
-        ``layer`` is a (possibly traced) scalar index into the leading axis. It is a
-        scatter with ``mode="drop"``: a slot ``>= T`` is discarded, never clamped
-        onto an earlier slot (``dynamic_update_slice`` would clamp the whole block
-        back into range and overwrite committed entries). ``lengths`` is unchanged.
+        It is a scatter with ``mode="drop"``: a slot ``>= T`` is discarded, never
+        clamped onto an earlier slot (``dynamic_update_slice`` would clamp the whole
+        block back into range and overwrite committed entries). ``lengths`` is unchanged.
         """
-        batch, steps = new_k.shape[:2]
-        rows = jnp.arange(batch)[:, None]  # i32[B,1]
-        slots = self.lengths[:, None] + jnp.arange(steps)[None, :]  # i32[B,S]
+        batch, steps, num_kv_heads = new_k.shape[:3]
+        rows = jnp.arange(batch)[:, None, None]  # i32[B,1,1]
+        kv_heads = jnp.arange(num_kv_heads)[None, :, None]  # i32[1,Hkv,1]
+        slots = (self.lengths[:, None] + jnp.arange(steps)[None, :])[:, None, :]  # i32[B,1,S]
 
-        def scatter(buf: jax.Array, new: jax.Array) -> jax.Array:
-            return buf.at[layer, rows, slots].set(
-                new.astype(buf.dtype), mode="drop", wrap_negative_indices=False
+        def scatter(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
+            buf = buffers[layer].at[rows, kv_heads, slots].set(
+                new.transpose(0, 2, 1, 3).astype(buffers[layer].dtype), mode="drop", wrap_negative_indices=False
             )
+            return buffers[:layer] + (buf,) + buffers[layer + 1:]
 
         return self.replace(k=scatter(self.k, new_k), v=scatter(self.v, new_v))

@@ -18,14 +18,15 @@ class Counters:
     emitted: jax.Array  # i32[B] tokens emitted (bonus/correction included)
     position_proposed: jax.Array  # i32[G] rounds that proposed at least i+1 drafts
     position_accepted: jax.Array  # i32[G] rounds whose draft i+1 was accepted
+    width_rounds: jax.Array  # i32[W] loop rounds whose verify pass ran at each of the engine's verify widths
 
     @classmethod
-    def zeros(cls, batch: int, gamma: int) -> Counters:
+    def zeros(cls, batch: int, gamma: int, num_widths: int = 1) -> Counters:
         row, pos = jnp.zeros((batch,), jnp.int32), jnp.zeros((gamma,), jnp.int32)
-        return cls(row, row, row, row, pos, pos)
+        return cls(row, row, row, row, pos, pos, jnp.zeros((num_widths,), jnp.int32))
 
-    def add_round(self, live, num_draft, n_accepted, n_emit) -> Counters:
-        """live bool[B], num_draft/n_accepted/n_emit i32[B] of one round."""
+    def add_round(self, live, num_draft, n_accepted, n_emit, width_index=0) -> Counters:
+        """live bool[B], num_draft/n_accepted/n_emit i32[B] of one round; width_index i32[] of its verify pass."""
         live_i = live.astype(jnp.int32)
         used = jnp.minimum(n_accepted, n_emit) * live_i  # accepted drafts cut by EOS/budget are not counted
         positions = jnp.arange(self.position_proposed.shape[0])[None, :]
@@ -36,6 +37,7 @@ class Counters:
             emitted=self.emitted + n_emit * live_i,
             position_proposed=self.position_proposed + jnp.sum((positions < (num_draft * live_i)[:, None]), 0),
             position_accepted=self.position_accepted + jnp.sum((positions < used[:, None]), 0),
+            width_rounds=self.width_rounds.at[width_index].add(1),
         )
 
 
@@ -52,9 +54,11 @@ class Metrics:
     per_position_acceptance: list[float]  # accepted at draft i+1 / rounds proposing >= i+1 drafts
     position_proposed: list[int]  # rounds proposing >= i+1 drafts
     position_accepted: list[int]  # rounds whose draft i+1 was accepted
+    width_rounds: list[int]  # loop rounds run at each verify width (EngineSpec.verify_widths), whole batch
 
     @classmethod
-    def from_totals(cls, rounds, drafted, accepted, emitted, position_proposed, position_accepted) -> Metrics:
+    def from_totals(cls, rounds, drafted, accepted, emitted, position_proposed, position_accepted,
+                    width_rounds=()) -> Metrics:
         position_proposed = [int(x) for x in position_proposed]
         position_accepted = [int(x) for x in position_accepted]
         return cls(
@@ -67,6 +71,7 @@ class Metrics:
             per_position_acceptance=[a / p if p else float("nan") for a, p in zip(position_accepted, position_proposed)],
             position_proposed=position_proposed,
             position_accepted=position_accepted,
+            width_rounds=[int(x) for x in width_rounds],
         )
 
     @classmethod
@@ -74,7 +79,7 @@ class Metrics:
         c = jax.tree.map(np.asarray, counters)
         return cls.from_totals(
             c.rounds[:num_rows].sum(), c.drafted[:num_rows].sum(), c.accepted[:num_rows].sum(),
-            c.emitted[:num_rows].sum(), c.position_proposed, c.position_accepted,
+            c.emitted[:num_rows].sum(), c.position_proposed, c.position_accepted, c.width_rounds,
         )
 
     @classmethod
@@ -83,7 +88,7 @@ class Metrics:
         return cls.from_totals(
             sum(m.rounds for m in parts), sum(m.draft_tokens for m in parts), sum(m.accepted_tokens for m in parts),
             sum(m.emitted_tokens for m in parts), np.sum([m.position_proposed for m in parts], axis=0),
-            np.sum([m.position_accepted for m in parts], axis=0),
+            np.sum([m.position_accepted for m in parts], axis=0), np.sum([m.width_rounds for m in parts], axis=0),
         )
 
     def to_dict(self) -> dict:

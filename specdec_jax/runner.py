@@ -5,9 +5,6 @@ Shared by `specdec-jax generate`, the demo and the benchmarks.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 from tqdm import tqdm
 
 from specdec_jax.config import RunConfig
@@ -89,13 +86,3 @@ def stats_line(report: dict) -> str:
         f"({m['tokens_per_s']:.1f} tok/s), {m['mean_accepted_length']:.2f} tokens/round, "
         f"acceptance {m['acceptance_rate']:.2f}"
     )
-
-
-def with_overrides(cfg: RunConfig, **changes) -> RunConfig:
-    return dataclasses.replace(cfg, **changes)
-
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start

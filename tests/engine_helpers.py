@@ -178,7 +178,7 @@ def rebuild_cache(config: LlamaConfig, params, tokens: np.ndarray, capacity: int
     """
     cache = config.init_cache(tokens.shape[0], capacity)
     _, cache = _forward(config, params, jnp.asarray(tokens, jnp.int32), cache, compute_logits=False)
-    return np.asarray(cache.k), np.asarray(cache.v)
+    return tuple(np.asarray(a) for a in cache.stacked())
 
 
 TEACHER_WIDTH = 128  # one compile for every teacher-forced sequence (prompt + output <= 128)

@@ -28,8 +28,16 @@ def test_report_has_categories_and_cost_model(report):
     for batch in report["batches"]:
         assert batch["plain_tokens"] == batch["spec_tokens"] == 11  # decode phase: the first token is prefill's
         assert batch["T1"] > 0 and batch["Tv"] > 0 and batch["Td"] > 0
-        tau, gamma = batch["tokens_per_round"], report["config"]["gamma"]
-        assert batch["predicted_speedup"] == pytest.approx(tau * batch["T1"] / (gamma * batch["Td"] + batch["Tv"]))
+        gamma = report["config"]["gamma"]
+        # The cost model: each round costs the target pass at the width it ran, plus gamma draft steps.
+        assert batch["verify_widths"] == [1, 5] and len(batch["T_by_width"]) == 2
+        assert batch["T_by_width"][0] == batch["T1"] and batch["T_by_width"][-1] == batch["Tv"]
+        rounds = batch["loop_rounds"]["spec"]
+        assert sum(batch["width_rounds"]) == rounds and batch["loop_rounds"]["plain"] == 12
+        spec_s = sum(n * t for n, t in zip(batch["width_rounds"], batch["T_by_width"])) + rounds * gamma * batch["Td"]
+        plain_s = 12 * batch["T1"]
+        assert batch["predicted_s"] == pytest.approx({"plain": plain_s, "spec": spec_s})
+        assert batch["predicted_speedup"] == pytest.approx((batch["emitted_tokens"] / spec_s) / (12 / plain_s))
         assert batch["speedup"] == pytest.approx(batch["plain_s"] / batch["spec_s"])
         assert batch["tie_aware_equal"] == [True]
     assert report["memory_bandwidth_gb_s"] > 0.1

@@ -25,7 +25,7 @@ def test_bad_value_is_one_line_and_exit_2(capsys):
 
 BASE = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8"]
 METRIC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "emitted_tokens", "mean_accepted_length",
-               "acceptance_rate", "per_position_acceptance", "wall_s", "tokens_per_s"}
+               "acceptance_rate", "per_position_acceptance", "wall_s", "tokens_per_s", "width_rounds"}
 
 
 def generate_json(tmp_path, capsys, *args, name="out.json"):

@@ -217,8 +217,8 @@ def test_all_accepted_trap_oracle_alpha_one():
         k_ref, v_ref = H.rebuild_cache(hist.run.spec.drafter.config, hist.run.drafter_params, committed, capacity)
         for b in range(hist.run.num_rows):
             trusted = max(int(after.num_tokens[b]) - 2, 0)
-            np.testing.assert_allclose(after.drafter_state.k[:, b, :trusted], k_ref[:, b, :trusted], atol=1e-5)
-            np.testing.assert_allclose(after.drafter_state.v[:, b, :trusted], v_ref[:, b, :trusted], atol=1e-5)
+            np.testing.assert_allclose(after.drafter_state.stacked()[0][:, b, :trusted], k_ref[:, b, :trusted], atol=1e-5)
+            np.testing.assert_allclose(after.drafter_state.stacked()[1][:, b, :trusted], v_ref[:, b, :trusted], atol=1e-5)
     assert full_accepts_then_continue >= 5  # the trap was sprung many times
     counters = H.host(hist.states[-1]).counters
     assert counters.accepted.sum() > 0.9 * counters.drafted.sum()

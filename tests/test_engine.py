@@ -12,11 +12,13 @@ tokens, gamma 4, default capacity, and an EOS id picked from the plain output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,6 +26,7 @@ import engine_helpers as H
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows, first_divergence
 from specdec_jax.drafters import ModelDrafter
+from specdec_jax.drafters.base import Proposal
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import LlamaConfig, random_llama
@@ -207,11 +210,11 @@ def test_rollback_leaves_caches_equal_to_fresh_prefill():
         for b in range(run.num_rows):
             n = int(s.num_tokens[b])
             assert int(s.cache.lengths[b]) == n - 1
-            np.testing.assert_allclose(s.cache.k[:, b, : n - 1], tk[:, b, : n - 1], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(s.cache.v[:, b, : n - 1], tv[:, b, : n - 1], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(s.cache.stacked()[0][:, b, : n - 1], tk[:, b, : n - 1], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(s.cache.stacked()[1][:, b, : n - 1], tv[:, b, : n - 1], rtol=1e-5, atol=1e-5)
             trusted = max(n - 2, 0)  # the drafter rewrites slot n-2 at the start of its next round
-            np.testing.assert_allclose(s.drafter_state.k[:, b, :trusted], dk[:, b, :trusted], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(s.drafter_state.v[:, b, :trusted], dv[:, b, :trusted], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(s.drafter_state.stacked()[0][:, b, :trusted], dk[:, b, :trusted], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(s.drafter_state.stacked()[1][:, b, :trusted], dv[:, b, :trusted], rtol=1e-5, atol=1e-5)
     c = jax.device_get(run.state.counters)
     assert c.drafted.sum() > c.accepted.sum()  # there were rejections
     out, _ = run.outputs()
@@ -228,8 +231,8 @@ def _row_snapshot(state, b):
     return dict(
         tokens=np.asarray(state.tokens[b]), num_tokens=n, stop=int(state.stop_reason[b]),
         counters=[int(c.rounds[b]), int(c.drafted[b]), int(c.accepted[b]), int(c.emitted[b])],
-        k=np.asarray(state.cache.k[:, b, : n - 1]), v=np.asarray(state.cache.v[:, b, : n - 1]),
-        dk=np.asarray(state.drafter_state.k[:, b, : n - 2]),
+        k=np.asarray(state.cache.stacked()[0][:, b, : n - 1]), v=np.asarray(state.cache.stacked()[1][:, b, : n - 1]),
+        dk=np.asarray(state.drafter_state.stacked()[0][:, b, : n - 2]),
     )
 
 
@@ -398,3 +401,38 @@ def test_metrics_are_consistent():
     assert batch.rounds == sum(live) == counters.rounds[: hist.run.num_rows].sum()
     out, _ = hist.run.outputs()
     assert batch.emitted_tokens == sum(map(len, out))
+
+
+# ----------------------------------------------------------------------------
+# Verify width: each round runs the narrowest compiled width that holds its drafts
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCountDrafter:
+    """Proposes `count` junk tokens (id 0) per row every round; a point-mass drafter."""
+
+    count: int
+    name: str = "fixed"
+    params: None = None
+
+    def init(self, params, prompts, prompt_lens, capacity):
+        return None
+
+    def propose(self, params, state, ctx, gamma):
+        batch = ctx.num_tokens.shape[0]
+        drafts = jnp.zeros((batch, gamma), jnp.int32)
+        return Proposal(drafts, jnp.full((batch,), min(self.count, gamma), jnp.int32), None), state
+
+
+@pytest.mark.parametrize("count, width_index", [(0, 0), (2, 1), (4, 1)])
+def test_each_round_verifies_at_the_narrowest_width_that_holds_its_drafts(count, width_index):
+    prompts, max_new = [[5, 6, 7], [9, 10, 11, 12, 13]], 9
+    plain = generate(H.target(), prompts, None, max_new_tokens=max_new)
+    spec = generate(H.target(), prompts, FixedCountDrafter(count), gamma=4, max_new_tokens=max_new)
+    assert spec.tokens == plain.tokens
+    widths = engine.EngineSpec(H.target().config, None, 4, 64, None).verify_widths
+    assert widths == (1, 5)
+    # Drafts are capped by the budget near the end, so late rounds may run narrower, never wider.
+    hist = spec.metrics.width_rounds
+    assert sum(hist) == spec.loop_rounds and not any(hist[width_index + 1:])
+    assert hist[width_index] >= spec.loop_rounds - 3

@@ -49,7 +49,7 @@ def draft() -> Llama:
     rng = np.random.default_rng(1)
     arrays = {
         name: np.asarray(w) + (0.0 if name.endswith("norm") else 0.5) * np.std(w) * rng.standard_normal(w.shape)
-        for name, w in target().params().items()
+        for name, w in target().arrays().items()
     }
     return Llama.from_arrays(CONFIG, {k: v.astype(np.float32) for k, v in arrays.items()})
 

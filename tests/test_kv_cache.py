@@ -14,13 +14,13 @@ L, B, T, HKV, D, S = 2, 3, 8, 2, 4, 4
 
 def filled_cache(lengths) -> KVCache:
     """A cache whose every slot holds a distinct value (so any overwrite shows)."""
-    k = jnp.arange(L * B * T * HKV * D, dtype=jnp.float32).reshape(L, B, T, HKV, D)
-    return KVCache(k=k, v=-k, lengths=jnp.asarray(lengths, jnp.int32))
+    k = jnp.arange(L * B * T * HKV * D, dtype=jnp.float32).reshape(L, B, HKV, T, D)
+    return KVCache(k=tuple(k), v=tuple(-k), lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def reference_write(cache: KVCache, layer: int, new_k: np.ndarray, new_v: np.ndarray):
     """Slot-by-slot numpy write: slot lengths[b] + s when it is < T, else nothing."""
-    k, v = np.array(cache.k), np.array(cache.v)
+    k, v = (np.array(a) for a in cache.stacked())
     for b, n in enumerate(np.asarray(cache.lengths)):
         for s in range(new_k.shape[1]):
             if n + s < T:
@@ -28,7 +28,15 @@ def reference_write(cache: KVCache, layer: int, new_k: np.ndarray, new_v: np.nda
     return k, v
 
 
-write = jax.jit(KVCache.write)
+write = jax.jit(KVCache.write, static_argnums=1)
+
+
+class Stacked:
+    """A cache's keys, values and lengths as ``[L,B,T,Hkv,D]`` numpy arrays."""
+
+    def __init__(self, cache: KVCache):
+        self.k, self.v = (np.asarray(a) for a in cache.stacked())
+        self.lengths = np.asarray(cache.lengths)
 
 
 def new_block(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,8 +47,10 @@ def new_block(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def test_init_shapes_and_capacity():
     cache = KVCache.init(L, B, T, HKV, D, dtype=jnp.bfloat16)
-    assert cache.k.shape == cache.v.shape == (L, B, T, HKV, D)
-    assert cache.k.dtype == jnp.bfloat16
+    assert len(cache.k) == len(cache.v) == L
+    assert {a.shape for a in cache.k + cache.v} == {(B, HKV, T, D)}
+    assert all(a.dtype == jnp.bfloat16 for a in cache.k + cache.v)
+    assert cache.stacked()[0].shape == (L, B, T, HKV, D)
     assert cache.lengths.dtype == jnp.int32 and cache.lengths.shape == (B,)
     assert not np.any(np.asarray(cache.lengths))
     assert cache.capacity == T
@@ -49,7 +59,8 @@ def test_init_shapes_and_capacity():
 def test_write_lands_at_lengths_plus_s():
     cache = filled_cache([0, 3, 1])
     new_k, new_v = new_block()
-    out = write(cache, 1, new_k, new_v)
+    out = Stacked(write(cache, 1, new_k, new_v))
+    cache = Stacked(cache)
     np.testing.assert_array_equal(out.k[1, 0, 0:S], new_k[0])
     np.testing.assert_array_equal(out.k[1, 1, 3:3 + S], new_k[1])
     np.testing.assert_array_equal(out.v[1, 2, 1:1 + S], new_v[2])
@@ -62,7 +73,8 @@ def test_write_past_capacity_is_dropped_not_clamped():
     # Row 0 fits exactly, row 1 overflows by 2 slots, row 2 starts at T (all dropped).
     cache = filled_cache([T - S, T - S + 2, T])
     new_k, new_v = new_block()
-    out = write(cache, 0, new_k, new_v)
+    out = Stacked(write(cache, 0, new_k, new_v))
+    cache = Stacked(cache)
     np.testing.assert_array_equal(out.k[0, 0, T - S:], new_k[0])
     np.testing.assert_array_equal(out.k[0, 1, T - 2:], new_k[1, :2])
     # Nothing below the row's start moved (a clamped write would shift left onto it).
@@ -77,7 +89,7 @@ def test_write_past_capacity_is_dropped_not_clamped():
 def test_write_matches_slotwise_reference(lengths, layer, seed):
     cache = filled_cache(lengths)
     new_k, new_v = new_block(seed)
-    out = write(cache, layer, new_k, new_v)
+    out = Stacked(write(cache, layer, new_k, new_v))
     want_k, want_v = reference_write(cache, layer, new_k, new_v)
     np.testing.assert_array_equal(out.k, want_k)
     np.testing.assert_array_equal(out.v, want_v)
@@ -95,7 +107,7 @@ def test_with_lengths_keeps_buffers():
 def test_is_a_pytree():
     cache = filled_cache([1, 2, 3])
     leaves = jax.tree.leaves(cache)
-    assert len(leaves) == 3
+    assert len(leaves) == 2 * L + 1
     doubled = jax.tree.map(lambda x: x * 2, cache)
     np.testing.assert_array_equal(doubled.lengths, [2, 4, 6])
     with pytest.raises(Exception):

@@ -153,9 +153,11 @@ def test_garbage_beyond_lengths_is_invisible(params, tokens):
     lengths = np.array([1, 4, 6])
     block = np.random.default_rng(2).integers(0, CFG.vocab_size, (B, 3))
     clean = prefilled(params, tokens, lengths)
-    stale = np.arange(T)[None, None, :, None, None] >= lengths[None, :, None, None, None]
-    noise = 1e3 * np.random.default_rng(3).standard_normal(clean.k.shape).astype(np.float32)
-    dirty = clean.replace(k=jnp.where(stale, noise, clean.k), v=jnp.where(stale, -noise, clean.v))
+    stale = np.arange(T)[None, None, :, None] >= lengths[:, None, None, None]  # [B,1,T,1]
+    rng = np.random.default_rng(3)
+    noisy = lambda bufs, sign: tuple(  # noqa: E731
+        jnp.where(stale, sign * 1e3 * rng.standard_normal(b.shape).astype(np.float32), b) for b in bufs)
+    dirty = clean.replace(k=noisy(clean.k, 1), v=noisy(clean.v, -1))
     want, _ = run(CFG, params, block, clean)
     got, _ = run(CFG, params, block, dirty)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
@@ -164,8 +166,8 @@ def test_garbage_beyond_lengths_is_invisible(params, tokens):
 def test_compute_logits_false_writes_the_same_cache(params, tokens):
     _, with_logits = run(CFG, params, tokens, CFG.init_cache(B, T))
     without = prefilled(params, tokens, np.zeros(B))
-    np.testing.assert_array_equal(without.k, with_logits.k)
-    np.testing.assert_array_equal(without.v, with_logits.v)
+    for got, want in zip(without.stacked(), with_logits.stacked()):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_tied_embeddings_use_embed_as_head(params, tokens):
@@ -219,9 +221,12 @@ def test_config_validation():
 def test_from_arrays_round_trip_and_checks(params):
     arrays = {name: np.asarray(a) for name, a in params.items()}
     model = Llama.from_arrays(CFG, arrays)
-    for name, array in model.params().items():
+    for name, array in model.arrays().items():
         np.testing.assert_array_equal(array, arrays[name])
-    assert {k: v.shape for k, v in nnx.state(model, nnx.Param).items()} == param_shapes(CFG)
+    assert {k: v.shape for k, v in model.arrays().items()} == param_shapes(CFG)
+    # Every layer weight is its own nnx.Param (its own buffer): no slicing in the decode loop.
+    layer_params = nnx.state(model.layers, nnx.Param)
+    assert len(jax.tree.leaves(layer_params)) == CFG.num_layers * 9
     with pytest.raises(ValueError, match="missing \\['wq'\\]"):
         Llama.from_arrays(CFG, {k: v for k, v in arrays.items() if k != "wq"})
     with pytest.raises(ValueError, match="wo: expected shape"):

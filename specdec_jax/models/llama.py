@@ -23,6 +23,11 @@ stacked over layers (HF's q/k weights already use the rotate-half RoPE order)::
     final_norm  [H]             model.norm.weight
     lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
 
+:meth:`Llama.params` hands the layer weights out as tuples of ``L`` separate
+arrays (``params["wq"][i]: [H, N*D]``), not stacked: XLA CPU copies a slice of a
+stacked array before every matmul, which tripled the cost of a decode step.
+:func:`forward` accepts either form (it indexes ``params[name][i]``).
+
 Cache semantics (DESIGN section 3): input token ``s`` of row ``b`` sits at slot and
 RoPE position ``cache.lengths[b] + s``; its keys/values are written there (slots
 ``>= T`` are dropped, so the caller must size ``T``); query ``(b, s)`` sees key slot
@@ -46,7 +51,7 @@ from flax import nnx
 
 from specdec_jax.kv_cache import KVCache
 
-Params = dict[str, jax.Array]
+Params = dict[str, jax.Array | tuple[jax.Array, ...]]
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -156,18 +161,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
     """Grouped-query attention of the block over cache slots.
 
-    ``q: [B,S,N,D]``, ``k, v: [B,W,K,D]`` (slots ``0..W-1``; ``W = T`` now, a
-    bucketed prefix window later), ``positions: i32[B,S]``. Query ``(b, s)`` sees
-    slot ``j`` iff ``j <= positions[b, s]``. Returns ``[B,S,N,D]``.
+    ``q: [B,S,N,D]``, ``k, v: [B,K,W,D]`` (slots ``0..W-1``, the cache layout, so
+    both products read the cache without a transpose), ``positions: i32[B,S]``.
+    Query ``(b, s)`` sees slot ``j`` iff ``j <= positions[b, s]``. Returns ``[B,S,N,D]``.
     """
     batch, steps, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_kv_heads = k.shape[1]
     q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-    visible = jnp.arange(k.shape[1])[None, None, :] <= positions[:, :, None]  # bool[B,S,W]
+    scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    visible = jnp.arange(k.shape[2])[None, None, :] <= positions[:, :, None]  # bool[B,S,W]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    out = jnp.einsum("bkgst,bktd->bskgd", probs, v)
     return out.reshape(batch, steps, num_heads, head_dim)
 
 
@@ -182,9 +187,8 @@ def forward(
     """One pure pass of ``tokens: i32[B,S]`` at slots ``cache.lengths[b] + s``.
 
     Returns ``(logits f32[B,S,V] or None when not compute_logits, cache)``; the
-    cache holds the block's keys/values and the same ``lengths``. Layers run in a
-    ``lax.scan`` over the stacked weights; the cache rides in the carry so each
-    layer scatters only its S new slots.
+    cache holds the block's keys/values and the same ``lengths``. The layer loop
+    is unrolled (a ``lax.scan`` would slice, hence copy, every weight each step).
     """
     batch, steps = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # i32[B,S]
@@ -193,9 +197,9 @@ def forward(
     def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
         return y.reshape(batch, steps, num, cfg.head_dim)
 
-    def layer(carry, xs):
-        x, cache = carry  # f32[B,S,H]
-        w, index = xs
+    x = params["embed"][tokens]  # f32[B,S,H]
+    for index in range(cfg.num_layers):
+        w = {name: params[name][index] for name in LAYER_PARAMS}
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         q = apply_rope(heads(h @ w["wq"], cfg.num_heads), cos, sin)
         k = apply_rope(heads(h @ w["wk"], cfg.num_kv_heads), cos, sin)
@@ -204,11 +208,6 @@ def forward(
         x = x + attn.reshape(batch, steps, -1) @ w["wo"]
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-        return (x, cache), None
-
-    stacked = {name: params[name] for name in LAYER_PARAMS}
-    x = params["embed"][tokens]
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.num_layers)))
     if not compute_logits:
         return None, cache
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -232,10 +231,12 @@ def check_params(cfg: LlamaConfig, arrays: Mapping[str, object]) -> None:
 
 
 class Llama(nnx.Module):
-    """``nnx`` container of the weights in :func:`param_shapes`, one ``nnx.Param`` each.
+    """``nnx`` container of the weights in :func:`param_shapes`.
 
     ``Llama(cfg, rngs=nnx.Rngs(seed))`` draws random weights (:func:`init_params`);
-    ``Llama.from_arrays(cfg, arrays)`` wraps given arrays (dtype kept).
+    ``Llama.from_arrays(cfg, arrays)`` wraps given arrays (dtype kept). Global
+    weights are ``nnx.Param`` attributes; layer ``i``'s are ``self.layers[i][name]``,
+    one ``nnx.Param`` each, so every layer weight is its own buffer.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs | None = None,
@@ -247,7 +248,12 @@ class Llama(nnx.Module):
         check_params(config, arrays)
         self.config = config
         for name in param_shapes(config):
-            setattr(self, name, nnx.Param(jnp.asarray(arrays[name])))
+            if name not in LAYER_PARAMS:
+                setattr(self, name, nnx.Param(jnp.asarray(arrays[name])))
+        self.layers = nnx.List([
+            nnx.Dict({name: nnx.Param(jnp.asarray(np.asarray(arrays[name])[i])) for name in LAYER_PARAMS})
+            for i in range(config.num_layers)
+        ])
 
     @classmethod
     def from_arrays(cls, config: LlamaConfig, arrays: Mapping[str, object]) -> Llama:
@@ -255,8 +261,15 @@ class Llama(nnx.Module):
         return cls(config, arrays=arrays)
 
     def params(self) -> Params:
-        """The weights as a flat ``{name: array}`` dict (the layout of :func:`param_shapes`)."""
-        return {name: getattr(self, name)[...] for name in param_shapes(self.config)}
+        """The weights for :func:`forward`: ``{name: array}``, layer weights as tuples of L arrays."""
+        out = {name: getattr(self, name)[...] for name in param_shapes(self.config) if name not in LAYER_PARAMS}
+        for name in LAYER_PARAMS:
+            out[name] = tuple(layer[name][...] for layer in self.layers)
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The weights as numpy arrays in the stacked layout of :func:`param_shapes`."""
+        return {name: np.asarray(value) for name, value in self.params().items()}
 
     def __call__(self, tokens: jax.Array, cache: KVCache, *,
                  compute_logits: bool = True) -> tuple[jax.Array | None, KVCache]:

@@ -1,0 +1,124 @@
+"""Configs and sweeps: every file in configs/ runs, sweeps write their record and resume, reruns repeat."""
+
+import csv
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from specdec_jax import runner
+from specdec_jax.cli import main
+from specdec_jax.config import load_yaml, resolve
+from specdec_jax.sweep import load_sweep, sweep
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+SMOKE = {"model": "tiny-random", "max_new_tokens": 3, "batch_size": 2, "prompt": ("hi", "abcabc"),
+         "prompts_file": None, "raw": True, "ignore_eos": True}
+
+
+def smoke(cfg):
+    """The config on tiny-random with a tiny budget (draft models become tiny-random-draft)."""
+    changes = dict(SMOKE)
+    if cfg.draft_model:
+        changes["draft_model"] = "tiny-random-draft"
+    return dataclasses.replace(cfg, **changes)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path):
+    if "grid" in load_raw(path):
+        keys, configs = load_sweep(path)
+        assert keys and configs
+        cfg = configs[-1]
+    else:
+        cfg = resolve(load_yaml(path), {}, where=str(path))
+    report = runner.run(smoke(cfg), progress=False)
+    assert [len(r["tokens"]) for r in report["results"]] == [3, 3]
+    assert report["config"]["drafter"] == cfg.drafter and report["config"]["gamma"] == cfg.gamma
+
+
+def load_raw(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def write_sweep(tmp_path, grid="{gamma: [1, 2]}", base=None):
+    base = base or ("{model: tiny-random, drafter: oracle, oracle_alpha: 0.7, max_new_tokens: 6, ignore_eos: true, "
+                    "raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3}")
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {base}\ngrid: {grid}\n")
+    return path
+
+
+def test_sweep_writes_records_tables_and_plots(tmp_path):
+    out = tmp_path / "out"
+    records = sweep(write_sweep(tmp_path), out, progress=False)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(records) == len(lines) == 2
+    for record, gamma in zip(map(json.loads, lines), [1, 2]):
+        assert record["point"] == {"gamma": gamma} and record["config"]["gamma"] == gamma
+        assert record["seed"] == 3 and record["jax_version"] and record["device"]
+        assert record["git_commit"] is None or len(record["git_commit"]) >= 40
+        metrics = record["metrics"]
+        assert metrics["emitted_tokens"] == 12 and metrics["wall_s"] > 0
+        assert 1.0 <= metrics["mean_accepted_length"] <= gamma + 1
+    rows = list(csv.reader((out / "results.csv").open()))
+    assert rows[0][:2] == ["gamma", "mean_accepted_length"] and [r[0] for r in rows[1:]] == ["1", "2"]
+    assert (out / "table.md").read_text().count("\n") == 4
+    assert (out / "gamma.png").stat().st_size > 1000
+
+
+def test_sweep_resumes_without_rerunning_finished_points(tmp_path, monkeypatch):
+    path, out = write_sweep(tmp_path), tmp_path / "out"
+    sweep(path, out, progress=False)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    calls = []
+    real_run = runner.run
+    monkeypatch.setattr(runner, "run", lambda cfg, **kw: calls.append(cfg.gamma) or real_run(cfg, **kw))
+    sweep(path, out, progress=False)
+    assert calls == []  # every point was there
+    (out / "results.jsonl").write_text(lines[0] + "\n" + lines[1][:20])  # a kill mid-write of point 2
+    sweep(path, out, progress=False)
+    assert calls == [2]
+    new = (out / "results.jsonl").read_text().splitlines()
+    assert len(new) == 2 and json.loads(new[0]) == json.loads(lines[0]) and json.loads(new[-1])["outputs_sha256"] == json.loads(lines[1])["outputs_sha256"]
+
+
+def test_same_config_and_seed_give_identical_outputs(tmp_path):
+    """Sampled decoding (temperature 0.8) from scratch twice, in two sweep folders: same tokens."""
+    path = write_sweep(tmp_path, grid="{seed: [3, 4]}", base=(
+        "{model: tiny-random, drafter: oracle, gamma: 2, max_new_tokens: 8, ignore_eos: true, raw: true, "
+        "batch_size: 2, prompt: [ab, cde], temperature: 0.8}"))
+    first = sweep(path, tmp_path / "a", progress=False)
+    again = sweep(path, tmp_path / "b", progress=False)
+    assert [r["outputs_sha256"] for r in first] == [r["outputs_sha256"] for r in again]
+    assert first[0]["outputs_sha256"] != first[1]["outputs_sha256"]  # the seed matters
+    cfg = load_sweep(path)[1][0]
+    assert runner.run(cfg, progress=False)["results"] == runner.run(cfg, progress=False)["results"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: {model: tiny-random}\ngrid: {gama: [1, 2]}\n", "grid: unknown key 'gama'"),
+    ("base: {modle: tiny-random}\ngrid: {gamma: [1]}\n", "base: unknown key 'modle'"),
+    ("base: {}\ngrid: {gamma: 4}\n", "grid key 'gamma' needs a non-empty list"),
+    ("base: {}\ngrid: {gamma: [2, -1]}\n", "point {'gamma': -1}: gamma must be an int >= 0"),
+    ("base: {}\n", "a sweep file has the keys"),
+    ("grid: {gamma: [1]}\nextra: 1\n", "a sweep file has the keys"),
+    ("grid: {}\n", "grid is empty"),
+])
+def test_bad_sweep_files_name_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as err:
+        load_sweep(path)
+    assert str(path) in str(err.value)
+
+
+def test_sweep_cli_prints_the_table_and_errors_cleanly(tmp_path, capsys):
+    path = write_sweep(tmp_path, grid="{gamma: [1]}")
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert "| gamma | mean_accepted_length" in capsys.readouterr().out
+    assert main(["sweep", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "sweep file not found" in capsys.readouterr().err
