@@ -1,7 +1,10 @@
 """Fixed-capacity key/value cache whose only mutable bookkeeping is ``lengths``.
 
-Keys and values are one ``[B,Hkv,T,D]`` buffer per layer (a tuple): attention
-reads a layer's buffer directly, with no slice copy and no transpose.
+Keys are one ``[B,Hkv,T,D]`` buffer per layer and values one ``[B,Hkv,D,T]``
+buffer per layer (tuples): both attention products then contract the buffer's
+minor axis, so attention reads each layer's buffers in place (no slice copy, no
+transpose; a ``[B,Hkv,T,D]`` value buffer was transposed every step, a cost that
+grew with T).
 
 Row ``b`` has committed slots ``0 .. lengths[b]-1``. A forward pass writes its S
 new keys/values at slots ``lengths[b] + s`` without changing ``lengths``; the
@@ -22,7 +25,7 @@ class KVCache:
     """Per-layer keys and values plus the committed length of each row."""
 
     k: tuple[jax.Array, ...]  # L x f32[B,Hkv,T,D]
-    v: tuple[jax.Array, ...]  # L x f32[B,Hkv,T,D]
+    v: tuple[jax.Array, ...]  # L x f32[B,Hkv,D,T]
     lengths: jax.Array  # i32[B]
 
     @classmethod
@@ -36,10 +39,9 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
     ) -> KVCache:
         """An empty cache: zero keys/values, ``lengths == 0``."""
-        shape = (batch, num_kv_heads, capacity, head_dim)
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k=tuple(jnp.zeros((batch, num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros((batch, num_kv_heads, head_dim, capacity), dtype) for _ in range(num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
@@ -50,7 +52,7 @@ class KVCache:
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """``(k, v)`` as ``[L,B,T,Hkv,D]`` arrays (a copy, for inspection and tests)."""
-        return tuple(jnp.stack(buffers).transpose(0, 1, 3, 2, 4) for buffers in (self.k, self.v))
+        return jnp.stack(self.k).transpose(0, 1, 3, 2, 4), jnp.stack(self.v).transpose(0, 1, 4, 2, 3)
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         """Same buffers, new committed lengths ``i32[B]`` (commit or rollback)."""
@@ -63,15 +65,17 @@ class KVCache:
         clamped onto an earlier slot (``dynamic_update_slice`` would clamp the whole
         block back into range and overwrite committed entries). ``lengths`` is unchanged.
         """
-        batch, steps, num_kv_heads = new_k.shape[:3]
-        rows = jnp.arange(batch)[:, None, None]  # i32[B,1,1]
-        kv_heads = jnp.arange(num_kv_heads)[None, :, None]  # i32[1,Hkv,1]
-        slots = (self.lengths[:, None] + jnp.arange(steps)[None, :])[:, None, :]  # i32[B,1,S]
+        batch, steps, num_kv_heads, head_dim = new_k.shape
+        rows = jnp.arange(batch)[:, None, None, None]  # i32[B,1,1,1]
+        kv_heads = jnp.arange(num_kv_heads)[None, :, None, None]  # i32[1,Hkv,1,1]
+        slots = (self.lengths[:, None] + jnp.arange(steps)[None, :])[:, None, :, None]  # i32[B,1,S,1]
+        dims = jnp.arange(head_dim)[None, None, None, :]  # i32[1,1,1,D]
+        new = jnp.stack([new_k, new_v]).transpose(0, 1, 3, 2, 4)  # [2,B,Hkv,S,D]
 
-        def scatter(buffers: tuple[jax.Array, ...], new: jax.Array) -> tuple[jax.Array, ...]:
-            buf = buffers[layer].at[rows, kv_heads, slots].set(
-                new.transpose(0, 2, 1, 3).astype(buffers[layer].dtype), mode="drop", wrap_negative_indices=False
-            )
+        def put(buffers: tuple[jax.Array, ...], index: tuple, values: jax.Array) -> tuple[jax.Array, ...]:
+            buf = buffers[layer].at[index].set(values.astype(buffers[layer].dtype), mode="drop",
+                                               wrap_negative_indices=False)
             return buffers[:layer] + (buf,) + buffers[layer + 1:]
 
-        return self.replace(k=scatter(self.k, new_k), v=scatter(self.v, new_v))
+        return self.replace(k=put(self.k, (rows, kv_heads, slots, dims), new[0]),
+                            v=put(self.v, (rows, kv_heads, dims, slots), new[1]))

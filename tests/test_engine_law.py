@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import special, stats
+from scipy import stats
 
+from specdec_jax.audit import chi_square, continuation_codes, sequence_law
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import generate
 from specdec_jax.models import Llama, LlamaConfig, random_llama
-from specdec_jax.models.llama import forward
 from specdec_jax.sampling import SamplingParams
 
 V = 6
@@ -56,28 +55,9 @@ def draft() -> Llama:
 
 def exact_law(model: Llama) -> np.ndarray:
     """f64[216]: probability of each continuation x1 x2 x3 (index 36 x1 + 6 x2 + x3)."""
-    seqs = np.array([PROMPT + [a, b, c] for a in range(V) for b in range(V) for c in range(V)], np.int32)
-    logits, _ = forward(CONFIG, model.params(), jnp.asarray(seqs), CONFIG.init_cache(len(seqs), seqs.shape[1]))
-    logp = special.log_softmax(np.asarray(logits, np.float64), axis=-1)
-    p = len(PROMPT)
-    rows = np.arange(len(seqs))
-    total = sum(logp[rows, p - 1 + i, seqs[:, p + i]] for i in range(NEW))
-    law = np.exp(total)
-    assert abs(law.sum() - 1) < 1e-9
+    law = sequence_law(CONFIG, model.params(), PROMPT, NEW)
+    assert law.shape == (V**NEW,)
     return law
-
-
-def chi_square(counts: np.ndarray, law: np.ndarray) -> tuple[float, float]:
-    """(statistic, p-value) of counts against law; cells with expected count < 5 are merged."""
-    expected = law * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        assert obs[-1] == 0
-        obs, exp = obs[:-1], exp[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return stat, float(stats.chi2.sf(stat, len(obs) - 1))
 
 
 @functools.cache
@@ -89,7 +69,7 @@ def spec_samples(drafter_name: str, gamma: int, seed: int):
                    capacity=16)
     tokens = np.asarray(out.tokens)
     assert tokens.shape == (N, NEW)
-    return tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2], out.metrics
+    return continuation_codes(tokens, V), out.metrics
 
 
 CASES = [("model", 2, 11), ("model", 3, 12), ("ngram", 3, 13)]
@@ -98,7 +78,7 @@ CASES = [("model", 2, 11), ("model", 3, 12), ("ngram", 3, 13)]
 @pytest.mark.parametrize("drafter, gamma, seed", CASES, ids=["model-g2", "model-g3", "ngram-g3"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed):
     codes, metrics = spec_samples(drafter, gamma, seed)
-    stat, pvalue = chi_square(np.bincount(codes, minlength=V**3), exact_law(target()))
+    stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**3), exact_law(target()))
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
     # The acceptance path was really exercised: drafts were both accepted and rejected.
     assert metrics.draft_tokens > N and 0.1 < metrics.acceptance_rate < 0.95, metrics
@@ -108,8 +88,20 @@ def test_chi_square_rejects_a_wrong_law():
     """Power: the same samples against the draft's law (or a tempered target) fail by far."""
     codes, _ = spec_samples("model", 2, 11)
     counts = np.bincount(codes, minlength=V**3)
-    _, p_draft = chi_square(counts, exact_law(draft()))
+    _, _, p_draft = chi_square(counts, exact_law(draft()))
     assert p_draft < 1e-30
     sharper = exact_law(target()) ** 1.1
-    _, p_sharper = chi_square(counts, sharper / sharper.sum())
+    _, _, p_sharper = chi_square(counts, sharper / sharper.sum())
     assert p_sharper < SIGNIFICANCE
+
+
+def test_chi_square_p_value_matches_scipy():
+    rng = np.random.default_rng(0)
+    law = rng.dirichlet(np.ones(40))
+    counts = rng.multinomial(5000, law)
+    stat, dof, pvalue = chi_square(counts, law)
+    expected = law * 5000
+    keep = expected >= 5
+    assert dof == keep.sum() + bool((~keep).any()) - 1  # cells expecting < 5 merged into one
+    assert pvalue == pytest.approx(stats.chi2.sf(stat, dof), rel=1e-5)
+    assert continuation_codes(np.array([[1, 2, 3]]), V).tolist() == [36 + 12 + 3]

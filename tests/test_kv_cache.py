@@ -15,7 +15,7 @@ L, B, T, HKV, D, S = 2, 3, 8, 2, 4, 4
 def filled_cache(lengths) -> KVCache:
     """A cache whose every slot holds a distinct value (so any overwrite shows)."""
     k = jnp.arange(L * B * T * HKV * D, dtype=jnp.float32).reshape(L, B, HKV, T, D)
-    return KVCache(k=tuple(k), v=tuple(-k), lengths=jnp.asarray(lengths, jnp.int32))
+    return KVCache(k=tuple(k), v=tuple(-k.swapaxes(3, 4)), lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def reference_write(cache: KVCache, layer: int, new_k: np.ndarray, new_v: np.ndarray):
@@ -48,7 +48,7 @@ def new_block(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_init_shapes_and_capacity():
     cache = KVCache.init(L, B, T, HKV, D, dtype=jnp.bfloat16)
     assert len(cache.k) == len(cache.v) == L
-    assert {a.shape for a in cache.k + cache.v} == {(B, HKV, T, D)}
+    assert {a.shape for a in cache.k} == {(B, HKV, T, D)} and {a.shape for a in cache.v} == {(B, HKV, D, T)}
     assert all(a.dtype == jnp.bfloat16 for a in cache.k + cache.v)
     assert cache.stacked()[0].shape == (L, B, T, HKV, D)
     assert cache.lengths.dtype == jnp.int32 and cache.lengths.shape == (B,)

@@ -25,6 +25,7 @@ from specdec_jax.models import (
     random_llama,
     split_model,
 )
+from specdec_jax.models.llama import linear
 
 CFG = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -109,6 +110,27 @@ def test_one_pass_matches_cache_free_reference(params, tokens, full_logits):
         np.testing.assert_allclose(full_logits[b], reference_logits(CFG, params, tokens[b]), **TOL)
 
 
+@pytest.mark.parametrize("rows", [(1, 1), (1, 5), (2, 4), (3, 3)])
+def test_few_row_passes_match_the_reference(params, tokens, rows):
+    """Few-row passes (a verify pass, a small batch) match the reference too."""
+    batch, steps = rows
+    logits, _ = run(CFG, params, tokens[:batch, :steps], CFG.init_cache(batch, T))
+    for b in range(batch):
+        np.testing.assert_allclose(logits[b], reference_logits(CFG, params, tokens[b, :steps]), **TOL)
+
+
+def test_linear_equals_matmul_at_every_row_count():
+    """2..8 rows times a >= 1 MiB weight take the per-row matrix-vector path on CPU; others the plain product."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((512, 640)).astype(np.float32)  # 1.25 MiB
+    for batch, steps in [(1, 1), (1, 2), (2, 4), (1, 8), (3, 3)]:
+        x = rng.standard_normal((batch, steps, 512)).astype(np.float32)
+        np.testing.assert_allclose(jax.jit(linear)(x, w), x @ w, rtol=1e-4, atol=1e-4)
+    five = np.ones((1, 5, 512), np.float32)
+    assert str(jax.make_jaxpr(linear)(five, w)).count("dot_general") == (5 if jax.default_backend() == "cpu" else 1)
+    assert str(jax.make_jaxpr(linear)(five, w[:, :8])).count("dot_general") == 1  # a small weight
+
+
 def test_one_pass_matches_token_by_token(params, tokens, full_logits):
     cache, steps = CFG.init_cache(B, T), []
     for s in range(S):
@@ -153,11 +175,11 @@ def test_garbage_beyond_lengths_is_invisible(params, tokens):
     lengths = np.array([1, 4, 6])
     block = np.random.default_rng(2).integers(0, CFG.vocab_size, (B, 3))
     clean = prefilled(params, tokens, lengths)
-    stale = np.arange(T)[None, None, :, None] >= lengths[:, None, None, None]  # [B,1,T,1]
+    stale = np.arange(T)[None, None, :, None] >= lengths[:, None, None, None]  # [B,1,T,1], keys [B,K,T,D]
     rng = np.random.default_rng(3)
-    noisy = lambda bufs, sign: tuple(  # noqa: E731
-        jnp.where(stale, sign * 1e3 * rng.standard_normal(b.shape).astype(np.float32), b) for b in bufs)
-    dirty = clean.replace(k=noisy(clean.k, 1), v=noisy(clean.v, -1))
+    noisy = lambda bufs, mask: tuple(  # noqa: E731
+        jnp.where(mask, 1e3 * rng.standard_normal(b.shape).astype(np.float32), b) for b in bufs)
+    dirty = clean.replace(k=noisy(clean.k, stale), v=noisy(clean.v, stale.swapaxes(2, 3)))  # values [B,K,D,T]
     want, _ = run(CFG, params, block, clean)
     got, _ = run(CFG, params, block, dirty)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

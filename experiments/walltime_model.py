@@ -1,0 +1,80 @@
+"""Experiment 2: Leviathan et al.'s walltime model: speedup vs gamma, predicted vs measured.
+
+    python experiments/walltime_model.py [--per-category 1] [--max-new-tokens 64] [--out ...]
+
+SmolLM2-135M, greedy, batch 1, Spec-Bench prompts (the first --per-category of
+each category), through `specdec_jax.bench` (plain and speculative decoding
+interleaved, the cost terms measured in the same run) for the n-gram drafter and
+the oracle drafter (alpha 0.8; it drafts with the target itself, so each draft
+costs a full target step: c = Td/T1 = 1). Two predictions per point:
+
+    Leviathan (eq. 1 and Thm 3.8): (1 - a^(g+1)) / ((1 - a) (g c + 1)), a = measured
+        acceptance, c = Td / T1: assumes a verify pass costs one target step.
+    ours (DESIGN section 8): tau T1 / (g Td + mean verify cost of the rounds run),
+        with the measured tau and the width each round verified at.
+
+On this CPU a gamma+1 verify pass costs about 2 T1, so Leviathan's model
+overestimates; the per-width cost model should track the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
+from specdec_jax.bench import bench
+from specdec_jax.config import RunConfig
+
+GAMMAS = [1, 2, 4, 8]
+DRAFTERS = {"ngram": {"drafter": "ngram"}, "oracle a=0.8": {"drafter": "oracle", "oracle_alpha": 0.8}}
+
+
+def leviathan(alpha: float, gamma: int, c: float) -> float:
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "walltime_model")
+    args = parser.parse_args(argv)
+    rows, records = [], []
+    with spec_bench_subset(args.per_category) as prompts_file:
+        for name, drafter in DRAFTERS.items():
+            for gamma in GAMMAS:
+                cfg = RunConfig(model=args.model, gamma=gamma, max_new_tokens=args.max_new_tokens,
+                                prompts_file=str(prompts_file), **drafter)
+                overall = bench(cfg, repeats=args.repeats)["overall"]
+                alpha, c = overall["acceptance_rate"], overall["Td_ms"] / overall["T1_ms"]
+                row = [name, gamma, alpha, overall["tokens_per_round"], c, overall["Tv_over_T1"],
+                       leviathan(alpha, gamma, c), overall["predicted_speedup"], overall["speedup"]]
+                rows.append(row)
+                records.append({"drafter": name, "gamma": gamma, **overall})
+                print(row, flush=True)
+    header = ["drafter", "gamma", "acceptance", "tokens/round", "c = Td/T1", "Tv/T1", "Leviathan predicted",
+              "cost-model predicted", "measured"]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(DRAFTERS), figsize=(5 * len(DRAFTERS), 3.6))
+    for ax, name in zip(axes, DRAFTERS):
+        pts = [r for r in rows if r[0] == name]
+        ax.plot(GAMMAS, [p[8] for p in pts], "o-", label="measured")
+        ax.plot(GAMMAS, [p[7] for p in pts], "s--", label="cost model (measured Tv, widths)")
+        ax.plot(GAMMAS, [p[6] for p in pts], "x:", label="Leviathan (verify = 1 step)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="gamma", ylabel="speedup over plain", title=name)
+        ax.set_xticks(GAMMAS)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(args.out, {"args": vars(args), "header": header, "rows": rows, "records": records},
+         markdown_table(header, rows), fig, "walltime_model.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
