@@ -11,9 +11,9 @@ a saved bench report, and writes the table a researcher reads first:
    given draft i-1 was accepted, when such rounds go on to propose draft i);
 2. where a round's time goes: drafting (gamma Td), verifying (at the width each
    round ran), and the rest (measured minus predicted: loop overhead);
-3. what each shorter gamma' would give under the same acceptance curve, with a
-   verify pass interpolated linearly between T1 and Tv: the gamma the cost model
-   recommends.
+3. what each shorter gamma' would give under the same acceptance curve and the
+   same share of rounds that draft at all, with a verify pass interpolated
+   linearly between T1 and Tv: the gamma the cost model recommends.
 """
 
 from __future__ import annotations
@@ -40,16 +40,19 @@ def position_table(overall: dict, batches: list[dict]) -> list[list]:
     return rows
 
 
-def gamma_table(rows: list[list], overall: dict) -> list[list]:
-    """Predicted tokens/round and speedup if drafting stopped at gamma' (same acceptance curve)."""
+def gamma_table(rows: list[list], overall: dict, drafting: float) -> list[list]:
+    """Predicted tokens/round and speedup if drafts stopped at gamma' (same acceptance curve). A share
+    `drafting` of rounds proposes drafts; the others verify at width 1 and cost T1."""
     t1, tv, td, gamma = overall["T1_ms"], overall["Tv_ms"], overall["Td_ms"], len(rows)
-    out, survive, tokens = [], 1.0, 1.0
+    out, survive, extra = [], 1.0, 0.0
     for g in range(0, gamma + 1):
         if g:
             survive *= 0.0 if math.isnan(rows[g - 1][4]) else rows[g - 1][4]
-            tokens += survive
+            extra += survive
         verify = t1 + (tv - t1) * g / gamma
-        out.append([g, tokens, verify + g * td, tokens * t1 / (verify + g * td)])
+        tokens = 1 + drafting * extra
+        round_ms = (1 - drafting) * t1 + drafting * verify + g * td
+        out.append([g, tokens, round_ms, tokens * t1 / round_ms])
     return out
 
 
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
                  ["rest (loop, sampling, overhead)", measured_ms - draft_ms - verify_ms,
                   (measured_ms - draft_ms - verify_ms) / measured_ms],
                  ["measured round", measured_ms, 1.0]]
-    gammas = gamma_table(positions, overall)
+    gammas = gamma_table(positions, overall, positions[0][1] / rounds)
     best = max(gammas, key=lambda r: r[3])
     cfg = report["config"]
     table = (f"Diagnosis: {cfg['model']}, drafter {cfg['drafter']}, gamma {cfg['gamma']}, {overall['prompts']} prompts; "

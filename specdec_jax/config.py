@@ -73,18 +73,23 @@ class RunConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 
-def load_yaml(path: str | pathlib.Path) -> dict[str, Any]:
-    """Keys and values of a config file, checked against RunConfig's fields."""
+def read_yaml(path: str | pathlib.Path, kind: str = "config") -> dict[str, Any]:
+    """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a ValueError naming the file."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"config file not found: {path}")
+        raise ValueError(f"{kind} file not found: {path}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file must be a mapping of keys to values")
-    return check_keys(data, str(path))
+        raise ValueError(f"{path}: a {kind} file must be a mapping of keys to values")
+    return data
+
+
+def load_yaml(path: str | pathlib.Path) -> dict[str, Any]:
+    """Keys and values of a config file, checked against RunConfig's fields."""
+    return check_keys(read_yaml(path), str(path))
 
 
 def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:

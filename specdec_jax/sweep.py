@@ -33,10 +33,9 @@ import subprocess
 from typing import Any
 
 import jax
-import yaml
 from tqdm import tqdm
 
-from specdec_jax.config import RunConfig, check_keys, resolve
+from specdec_jax.config import RunConfig, check_keys, read_yaml, resolve
 
 SCALAR_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s", "wall_s", "emitted_tokens", "rounds",
                   "draft_tokens", "accepted_tokens")
@@ -45,14 +44,8 @@ PLOTTED_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s")
 
 def load_sweep(path: str | pathlib.Path) -> tuple[list[str], list[RunConfig]]:
     """(swept keys, one RunConfig per grid point) of a sweep file; every error names the file and key."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"sweep file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
-    if not isinstance(data, dict) or set(data) - {"base", "grid"} or "grid" not in data:
+    data = read_yaml(path, "sweep")
+    if set(data) - {"base", "grid"} or "grid" not in data:
         raise ValueError(f"{path}: a sweep file has the keys 'base' (a config) and 'grid' (key: list of values)")
     base = check_keys(data.get("base") or {}, f"{path}: base")
     grid = check_keys(data["grid"] or {}, f"{path}: grid")
