@@ -29,7 +29,7 @@ from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
 
 
-def position_table(overall: dict, batches: list[dict]) -> list[list]:
+def position_table(batches: list[dict]) -> list[list]:
     proposed = [sum(b["position_proposed"][i] for b in batches) for i in range(len(batches[0]["position_proposed"]))]
     accepted = [sum(b["position_accepted"][i] for b in batches) for i in range(len(proposed))]
     rows = []
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                             max_new_tokens=args.max_new_tokens, prompts_file=str(prompts_file))
             report = bench(cfg, repeats=1)
     overall, batches = report["overall"], report["batches"]
-    positions = position_table(overall, batches)
+    positions = position_table(batches)
     rounds = sum(b["loop_rounds"]["spec"] for b in batches)
     width_rounds = [sum(b["width_rounds"][i] for b in batches) for i in range(len(batches[0]["width_rounds"]))]
     spec_s = sum(b["spec_s"] for b in batches)

@@ -22,10 +22,11 @@ def sequence_law(config, params, prompt: list[int], new: int) -> np.ndarray:
     vocab = config.vocab_size
     seqs = np.array([list(prompt) + list(c) for c in itertools.product(range(vocab), repeat=new)], np.int32)
     logits, _ = forward(config, params, jnp.asarray(seqs), config.init_cache(len(seqs), seqs.shape[1]))
-    logp = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1))
+    x = np.asarray(logits, np.float64)  # float64 on the host: jax would compute in float32
+    x = x - x.max(axis=-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
     start, rows = len(prompt), np.arange(len(seqs))
-    law = np.exp(sum(logp[rows, start - 1 + i, seqs[:, start + i]] for i in range(new)))
-    return law / law.sum()
+    return np.exp(sum(logp[rows, start - 1 + i, seqs[:, start + i]] for i in range(new)))
 
 
 def continuation_codes(tokens: np.ndarray, vocab: int) -> np.ndarray:

@@ -70,12 +70,11 @@ class KVCache:
         kv_heads = jnp.arange(num_kv_heads)[None, :, None, None]  # i32[1,Hkv,1,1]
         slots = (self.lengths[:, None] + jnp.arange(steps)[None, :])[:, None, :, None]  # i32[B,1,S,1]
         dims = jnp.arange(head_dim)[None, None, None, :]  # i32[1,1,1,D]
-        new = jnp.stack([new_k, new_v]).transpose(0, 1, 3, 2, 4)  # [2,B,Hkv,S,D]
 
         def put(buffers: tuple[jax.Array, ...], index: tuple, values: jax.Array) -> tuple[jax.Array, ...]:
             buf = buffers[layer].at[index].set(values.astype(buffers[layer].dtype), mode="drop",
                                                wrap_negative_indices=False)
             return buffers[:layer] + (buf,) + buffers[layer + 1:]
 
-        return self.replace(k=put(self.k, (rows, kv_heads, slots, dims), new[0]),
-                            v=put(self.v, (rows, kv_heads, dims, slots), new[1]))
+        return self.replace(k=put(self.k, (rows, kv_heads, slots, dims), new_k.transpose(0, 2, 1, 3)),
+                            v=put(self.v, (rows, kv_heads, dims, slots), new_v.transpose(0, 2, 1, 3)))

@@ -57,6 +57,7 @@ def exact_law(model: Llama) -> np.ndarray:
     """f64[216]: probability of each continuation x1 x2 x3 (index 36 x1 + 6 x2 + x3)."""
     law = sequence_law(CONFIG, model.params(), PROMPT, NEW)
     assert law.shape == (V**NEW,)
+    assert abs(law.sum() - 1) < 1e-9
     return law
 
 
