@@ -228,6 +228,9 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
     spec_rounds = sum(r["loop_rounds"]["spec"] for r in rows)
     verify_ms = sum(r["verify_ms_per_round"] * r["loop_rounds"]["spec"] for r in rows) / max(spec_rounds, 1)
     speedup = (spec_tok / spec_s) / (plain_tok / plain_s)
+    e2e = {g: sum(r["end_to_end_s"][g] for r in rows) for g in ("plain", "spec")}
+    e2e_tokens = {"plain": plain_tok + sum(len(r["ids"]) for r in rows),
+                  "spec": spec_tok + sum(len(r["ids"]) for r in rows)}
     flags = [x for r in rows for x in r["tie_aware_equal"] if x is not None]
     exact = [x for r in rows for x in r["exact_equal"] if x is not None]
     return {
@@ -235,6 +238,10 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
         "plain_tokens_per_s": plain_tok / plain_s,
         "spec_tokens_per_s": spec_tok / spec_s,
         "speedup": speedup,
+        # end to end (prefill included): what a batch costs in serving; robust when decode is short
+        "plain_e2e_tokens_per_s": e2e_tokens["plain"] / e2e["plain"],
+        "spec_e2e_tokens_per_s": e2e_tokens["spec"] / e2e["spec"],
+        "e2e_speedup": (e2e_tokens["spec"] / e2e["spec"]) / (e2e_tokens["plain"] / e2e["plain"]),
         "tokens_per_round": tau,
         "acceptance_rate": accepted / drafted if drafted else float("nan"),
         "per_position_acceptance": [a / p if p else float("nan") for a, p in zip(pos_acc, proposed)],

@@ -1,4 +1,4 @@
-"""Command line: `specdec-jax {demo,generate,bench,sweep,theory} ...`.
+"""Command line: `specdec-jax {demo,generate,bench,sweep,train-draft,theory} ...`.
 
 Errors in user input print one line on stderr and exit with code 2 (no traceback).
 """
@@ -105,6 +105,30 @@ def _sweep(args) -> int:
     return 0
 
 
+def _train_draft(args) -> int:
+    from specdec_jax.distill.config import FIELDS, train_config
+    from specdec_jax.distill.train import train_draft
+
+    tc = train_config(args.config, **{name: getattr(args, name) for name in FIELDS})
+    summary = train_draft(tc, args.out, resume=args.resume)
+    print(json.dumps(summary, indent=1))
+    print(f"use it with: --drafter draft-model --draft-model {summary['draft']}")
+    return 0
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (defaults None: only given flags override the file)."""
+    from specdec_jax.distill.config import FIELDS
+
+    for name, field in FIELDS.items():
+        value = field.default
+        kind = int if name in INT_OR_NONE else (str if value is None else type(value))
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"(default {value})")
+
+
+INT_OR_NONE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
 def _theory(args) -> int:
     closed = theory.expected_tokens_per_round(args.alpha, args.gamma)
     print(f"alpha {args.alpha}, gamma {args.gamma}: E[tokens per round] = {closed:.4f} (closed form)")
@@ -160,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=pathlib.Path, help="sweep YAML: base (a config) and grid (key: list of values)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output folder (resumes what is there)")
     p.set_defaults(func=_sweep)
+    p = sub.add_parser("train-draft", help="distil a draft model from the target (optax, orbax checkpoints)")
+    p.add_argument("--config", type=pathlib.Path, help="YAML train config (flags override it)")
+    p.add_argument("--out", type=pathlib.Path, required=True, help="output folder: data, checkpoints, log, draft/")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    add_train_flags(p)
+    p.set_defaults(func=_train_draft)
     p = sub.add_parser("theory", help="closed-form tokens per round for acceptance alpha and gamma drafts")
     p.add_argument("--alpha", type=float, required=True, help="per-position acceptance probability in [0, 1]")
     p.add_argument("--gamma", type=int, required=True, help="drafts per round (>= 0)")

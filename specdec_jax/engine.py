@@ -50,6 +50,7 @@ class EngineSpec:
     gamma: int  # drafts per round
     capacity: int  # T, KV slots per row
     eos_id: int | None
+    record_top_k: int = 0  # > 0: keep the target's k most likely tokens and log-probs at every emitted token
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -83,6 +84,7 @@ class DecodeState:
     proposal: Proposal  # drafts for the next verify pass: i32[B,G], i32[B], f32[B,G,V] | None
     counters: Counters
     step: jax.Array  # i32[] loop iterations so far
+    target_top: tuple[jax.Array, jax.Array] | None = None  # (i32, f32)[B,Tbuf,k] record_top_k's buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,9 @@ class GenerationResult:
     metrics: Metrics
     wall_s: float  # whole call, compile included on a first call
     loop_rounds: int  # while_loop iterations
+    # record_top_k > 0: per prompt, (ids i32[n,k], log-probs f32[n,k]) of the target's law (temperature 1,
+    # no filters) that each of its n emitted tokens was chosen under
+    target_top: list[tuple[np.ndarray, np.ndarray]] | None = None
 
 
 def row_keys(state: DecodeState) -> jax.Array:
@@ -161,6 +166,11 @@ def verify_step(spec: EngineSpec, target_params, state: DecodeState) -> DecodeSt
     rows = jnp.arange(inputs.shape[0])[:, None]
     tokens = state.tokens.at[rows, positions].set(result.tokens, mode="drop")
     num_tokens = state.num_tokens + n_emit
+    target_top = state.target_top
+    if spec.record_top_k:
+        logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), spec.record_top_k)  # [B,G+1,k]
+        target_top = (state.target_top[0].at[rows, positions].set(ids, mode="drop"),
+                      state.target_top[1].at[rows, positions].set(logp, mode="drop"))
 
     last = jnp.take_along_axis(tokens, num_tokens[:, None] - 1, axis=1)[:, 0]
     hit_eos = live & (last == spec.eos_id) if spec.eos_id is not None else jnp.zeros_like(live)
@@ -175,6 +185,7 @@ def verify_step(spec: EngineSpec, target_params, state: DecodeState) -> DecodeSt
         stop_reason=reason.astype(jnp.int32),
         counters=state.counters.add_round(live, num_draft, result.n_accepted, n_emit, width_index),
         step=state.step + 1,
+        target_top=target_top,
     )
 
 
@@ -221,6 +232,9 @@ def prefill(spec: EngineSpec, target_params, drafter_params, prompts, prompt_len
         proposal=Proposal(jnp.zeros((batch, spec.gamma), jnp.int32), jnp.zeros((batch,), jnp.int32), None),
         counters=Counters.zeros(batch, spec.gamma, len(spec.verify_widths)),
         step=jnp.zeros((), jnp.int32),
+        target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
+                    jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
+        if spec.record_top_k else None,
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, drafter_params, s).proposal, state)
@@ -252,6 +266,7 @@ def prepare(
     seed: int = 0,
     row_ids: Sequence[int] | None = None,
     capacity: int | None = None,
+    record_top_k: int = 0,
 ) -> Prepared:
     """Validates the inputs, buckets shapes and prefills; arguments as in `generate`."""
     model = target if isinstance(target, Llama) else target.model
@@ -276,7 +291,9 @@ def prepare(
         raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
     rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
 
-    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id)
+    if not 0 <= record_top_k <= config.vocab_size:
+        raise ValueError(f"record_top_k must be in [0, {config.vocab_size}], got {record_top_k}")
+    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id, record_top_k)
     drafter_params = drafter.params if gamma > 0 else None
     state = prefill(
         spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
@@ -298,6 +315,7 @@ def generate(
     seed: int = 0,
     row_ids: Sequence[int] | None = None,
     capacity: int | None = None,
+    record_top_k: int = 0,
     python_loop: bool = False,
 ) -> GenerationResult:
     """Speculative decoding of a ragged batch of token-id prompts.
@@ -320,6 +338,8 @@ def generate(
       capacity: KV slots per row; default fits the prompt bucket + max_new_tokens
         + gamma + 1, rounded up to a multiple of 64. Rows that run out stop with
         reason "capacity".
+      record_top_k: if > 0, also return the target's top-k tokens and log-probs
+        at every emitted token (`GenerationResult.target_top`; distillation data).
       python_loop: run the same `draft_step` / `verify_step` from a Python loop
         instead of `lax.while_loop` (for debugging; identical results).
 
@@ -329,7 +349,7 @@ def generate(
     start = time.perf_counter()
     run = prepare(
         target, prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-        seed=seed, row_ids=row_ids, capacity=capacity,
+        seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
     )
     spec, params, drafter_params, state = run.spec, run.params, run.drafter_params, run.state
     if python_loop:
@@ -337,15 +357,19 @@ def generate(
             state = decode_round(spec, params, drafter_params, state)
     else:
         state = run_loop(spec, params, drafter_params, state)
-    tokens, num_tokens, reasons = jax.device_get((state.tokens, state.num_tokens, state.stop_reason))
+    tokens, num_tokens, reasons, top = jax.device_get(
+        (state.tokens, state.num_tokens, state.stop_reason, state.target_top))
     wall = time.perf_counter() - start
     lens, num_rows = run.prompt_lens, run.num_rows
+    if top is not None:
+        top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
     return GenerationResult(
         tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
         metrics=Metrics.from_counters(state.counters, num_rows),
         wall_s=wall,
         loop_rounds=int(state.step),
+        target_top=top,
     )
 
 

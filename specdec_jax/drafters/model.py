@@ -7,6 +7,11 @@ last draft d_gamma when all drafts were accepted: that token was never fed to
 the drafter (the all-accepted trap of DESIGN section 2). With a 1-token prompt
 (n = 0) the window starts at slot 0 and the logits of t0 are read at index 0.
 
+A draft with a reduced output vocabulary (`LlamaConfig.output_vocab_size`, the
+`vocab_map` weight) draws among its Vo ids and maps them to target ids; its law
+q over the target vocabulary is zero outside them, which verification handles
+like any other zero of q.
+
 The oracle drafter is this drafter run with the *target's* weights, greedy,
 each proposal replaced by a wrong token with probability 1 - alpha: greedy
 acceptance is then i.i.d. Bernoulli(alpha) per position and tokens per round
@@ -51,18 +56,23 @@ class ModelDrafter:
         start = jnp.maximum(n - 1, 0)
         window = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
         logits, cache = forward(self.config, params, window, cache.with_lengths(start))
-        logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,V]
+        logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo]
+        vocab_map = params.get("vocab_map")  # i32[Vo] target id of each logit; None: Vo = V, the identity
         counts = _history_counts(ctx, self.config.vocab_size)
+        if counts is not None and vocab_map is not None:
+            counts = counts[:, vocab_map]
         keep_probs = ctx.sampling.any_sampled and self.corrupt_alpha is None
 
         def pick(logits, counts, step):
-            law = process_logits(logits, ctx.sampling, counts)  # f32[B,V]
+            law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
             keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, DRAFT_TAG), step))(ctx.row_keys)
-            token = _draw(keys, law, ctx.sampling)
+            index = _draw(keys, law, ctx.sampling)  # i32[B] into the draft's Vo ids
+            token = index if vocab_map is None else vocab_map[index]
             if self.corrupt_alpha is not None:
                 token = _corrupt(keys, token, self.corrupt_alpha, self.config.vocab_size)
-            if counts is not None:
-                counts = counts.at[jnp.arange(token.shape[0]), token].add(1.0)
+            if counts is not None:  # counts are over the draft's ids
+                seen = token if vocab_map is None else index
+                counts = counts.at[jnp.arange(token.shape[0]), seen].add(1.0)
             return token, (law if keep_probs else None), counts
 
         def step(carry, index):
@@ -76,7 +86,12 @@ class ModelDrafter:
         )
         last, last_law, _ = pick(logits, counts, gamma - 1)
         drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
-        probs = None if not keep_probs else jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)
+        probs = None
+        if keep_probs:
+            probs = jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)  # f32[B,G,Vo]
+            if vocab_map is not None:
+                full = jnp.zeros(probs.shape[:2] + (self.config.vocab_size,), probs.dtype)
+                probs = full.at[:, :, vocab_map].set(probs)
         num_draft = jnp.full((drafts.shape[0],), gamma, jnp.int32)
         return Proposal(drafts.astype(jnp.int32), num_draft, probs), cache
 

@@ -23,6 +23,10 @@ stacked over layers (HF's q/k weights already use the rotate-half RoPE order)::
     final_norm  [H]             model.norm.weight
     lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
 
+A draft with a reduced output vocabulary (``output_vocab_size = Vo < V``, for a
+cheap head) has ``lm_head [H, Vo]`` and ``vocab_map i32[Vo]``: logit ``j`` is
+token ``vocab_map[j]``. Its input embedding keeps all ``V`` rows.
+
 :meth:`Llama.params` hands the layer weights out as tuples of ``L`` separate
 arrays (``params["wq"][i]: [H, N*D]``), not stacked: XLA CPU copies a slice of a
 stacked array before every matmul, which tripled the cost of a decode step.
@@ -75,6 +79,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    output_vocab_size: int | None = None  # logits over this many ids (`vocab_map`); None: all vocab_size
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -89,6 +94,11 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
+        if self.output_vocab_size is not None:
+            if not 0 < self.output_vocab_size <= self.vocab_size:
+                raise ValueError(f"output_vocab_size must be in [1, {self.vocab_size}], got {self.output_vocab_size}")
+            if self.tie_embeddings:
+                raise ValueError("a reduced output vocabulary needs an untied lm_head (tie_embeddings false)")
 
     def init_cache(self, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """An empty :class:`KVCache` shaped for this model."""
@@ -113,7 +123,10 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "w_down": (L, I, H),
         "final_norm": (H,),
     }
-    if not cfg.tie_embeddings:
+    if cfg.output_vocab_size is not None:
+        shapes["lm_head"] = (H, cfg.output_vocab_size)
+        shapes["vocab_map"] = (cfg.output_vocab_size,)
+    elif not cfg.tie_embeddings:
         shapes["lm_head"] = (H, V)
     return shapes
 
@@ -130,6 +143,9 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm"):
             params[name] = np.ones(shape, np.float32)
+            continue
+        if name == "vocab_map":  # the first output_vocab_size ids
+            params[name] = np.arange(shape[0], dtype=np.int32)
             continue
         std = embed_std if name in ("embed", "lm_head") else 1.0 / math.sqrt(shape[-2])
         params[name] = (std * rng.standard_normal(shape)).astype(np.float32)
@@ -206,7 +222,8 @@ def forward(
 ) -> tuple[jax.Array | None, KVCache]:
     """One pure pass of ``tokens: i32[B,S]`` at slots ``cache.lengths[b] + s``.
 
-    Returns ``(logits f32[B,S,V] or None when not compute_logits, cache)``; the
+    Returns ``(logits f32[B,S,V] (``[B,S,Vo]`` with a reduced output vocabulary) or None
+    when not compute_logits, cache)``; the
     cache holds the block's keys/values and the same ``lengths``. The layer loop
     is unrolled (a ``lax.scan`` would slice, hence copy, every weight each step).
     """
@@ -256,7 +273,8 @@ class Llama(nnx.Module):
     ``Llama(cfg, rngs=nnx.Rngs(seed))`` draws random weights (:func:`init_params`);
     ``Llama.from_arrays(cfg, arrays)`` wraps given arrays (dtype kept). Global
     weights are ``nnx.Param`` attributes; layer ``i``'s are ``self.layers[i][name]``,
-    one ``nnx.Param`` each, so every layer weight is its own buffer.
+    one ``nnx.Param`` each, so every layer weight is its own buffer. ``vocab_map``
+    (reduced output vocabulary) is an integer ``nnx.Variable``, not a ``Param``.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs | None = None,
@@ -269,7 +287,8 @@ class Llama(nnx.Module):
         self.config = config
         for name in param_shapes(config):
             if name not in LAYER_PARAMS:
-                setattr(self, name, nnx.Param(jnp.asarray(arrays[name])))
+                kind = nnx.Variable if name == "vocab_map" else nnx.Param
+                setattr(self, name, kind(jnp.asarray(arrays[name])))
         self.layers = nnx.List([
             nnx.Dict({name: nnx.Param(jnp.asarray(np.asarray(arrays[name])[i])) for name in LAYER_PARAMS})
             for i in range(config.num_layers)

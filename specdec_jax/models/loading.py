@@ -1,4 +1,5 @@
-"""Load real models: a llama GGUF file, a Hugging Face directory, or the default SmolLM2.
+"""Load real models: a llama GGUF file, a Hugging Face directory, a specdec model
+folder (e.g. a trained draft, :func:`save_model_dir`), or the default SmolLM2.
 
 Converted weights are cached with orbax under `cache_dir()/converted/<sha256 of
 the source>`, so the second load skips dequantization.
@@ -16,9 +17,10 @@ import numpy as np
 from specdec_jax.models.fetch import cache_dir, sha256_of, smollm2_gguf
 from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.registry import LoadedModel
-from specdec_jax.models.tokenizer import BPETokenizer
+from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
+MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices transposed)
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -87,6 +89,49 @@ def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
         weights.update(load_file(f))
     arrays = hf_arrays(config, weights)
     return LoadedModel(Llama.from_arrays(config, arrays), config, _hf_tokenizer(path))
+
+
+def save_model_dir(folder: str | pathlib.Path, loaded: LoadedModel, info: dict | None = None) -> pathlib.Path:
+    """Writes `loaded` as a folder that `load_model(folder)` reads: `params/` (orbax), the
+    tokenizer (`tokenizer.json` + `tokenizer_config.json`, or none for the byte tokenizer)
+    and `specdec_model.json` (config, tokenizer kind, `info`), written last."""
+    import orbax.checkpoint as ocp
+
+    folder = pathlib.Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MODEL_DIR_MARKER).unlink(missing_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder / "params", loaded.model.arrays(), force=True)
+    checkpointer.wait_until_finished()
+    if isinstance(loaded.tokenizer, ByteTokenizer):
+        kind = "byte"
+    else:
+        kind = "hf"
+        loaded.tokenizer.save(folder)
+    marker = {"config": dataclasses.asdict(loaded.config), "tokenizer": kind, "info": info or {}}
+    (folder / MODEL_DIR_MARKER).write_text(json.dumps(marker, indent=1, default=_jsonable))
+    return folder
+
+
+def is_model_dir(path: pathlib.Path) -> bool:
+    return (path / MODEL_DIR_MARKER).is_file()
+
+
+def load_model_dir(folder: str | pathlib.Path) -> LoadedModel:
+    """A folder written by :func:`save_model_dir`; a missing or unreadable part is a ValueError."""
+    import orbax.checkpoint as ocp
+
+    folder = pathlib.Path(folder).resolve()
+    if not is_model_dir(folder):
+        raise ValueError(f"{folder} is not a specdec model folder (no {MODEL_DIR_MARKER})")
+    try:
+        marker = json.loads((folder / MODEL_DIR_MARKER).read_text())
+        config = LlamaConfig(**marker["config"])
+        arrays = ocp.StandardCheckpointer().restore(folder / "params")
+    except Exception as err:  # orbax raises many kinds; name the folder
+        raise ValueError(f"{folder}: cannot read the model ({err.__class__.__name__}: {err})") from None
+    tokenizer = ByteTokenizer() if marker["tokenizer"] == "byte" else _hf_tokenizer(folder)
+    return LoadedModel(Llama.from_arrays(config, {k: np.asarray(v) for k, v in arrays.items()}), config, tokenizer)
 
 
 def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

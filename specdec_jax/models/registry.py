@@ -1,7 +1,8 @@
 """Models by name: ``load_model(name, seed=...)`` -> ``LoadedModel(model, config, tokenizer)``.
 
-Built in: two deterministic random Llamas sharing the :class:`ByteTokenizer`,
-``tiny-random`` (the target) and ``tiny-random-draft`` (a smaller drafter).
+Built in: deterministic random Llamas sharing the :class:`ByteTokenizer`,
+``tiny-random`` (the target), ``tiny-random-draft`` (a smaller drafter) and
+``smollm2-135m-random`` (SmolLM2-135M's shapes, for speed checks offline).
 Loaders of real checkpoints add themselves with :func:`register_model`.
 """
 
@@ -44,7 +45,8 @@ def known_models() -> list[str]:
 
 def load_model(name: str, *, seed: int = 0) -> LoadedModel:
     """Builds a registered model by name (same ``(name, seed)``, same weights), or loads
-    a local path: a llama ``.gguf`` file or a Hugging Face model directory."""
+    a local path: a llama ``.gguf`` file, a specdec model folder (a trained draft) or a
+    Hugging Face model directory."""
     if name in _BUILDERS:
         return _BUILDERS[name](seed)
     from specdec_jax.models import loading
@@ -53,10 +55,10 @@ def load_model(name: str, *, seed: int = 0) -> LoadedModel:
     if path.suffix == ".gguf":
         return loading.load_gguf(path)
     if path.is_dir():
-        return loading.load_hf_dir(path)
+        return loading.load_model_dir(path) if loading.is_model_dir(path) else loading.load_hf_dir(path)
     raise ValueError(
         f"unknown model {name!r}: not a registered name ({', '.join(known_models())}), "
-        "a .gguf file or a model directory"
+        "a .gguf file or a model directory (specdec or Hugging Face)"
     )
 
 
@@ -76,8 +78,15 @@ TINY_RANDOM_DRAFT = LlamaConfig(
     vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=1,
     num_heads=4, num_kv_heads=2, head_dim=16, tie_embeddings=True)
 
+# SmolLM2-135M's architecture with random weights and the byte tokenizer: speed measurements
+# where the checkpoint cannot be fetched (an offline accelerator machine).
+SMOLLM2_SHAPE = LlamaConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+    head_dim=64, rope_theta=100000.0, tie_embeddings=True)
+
 register_model("tiny-random", _random_builder(TINY_RANDOM))
 register_model("tiny-random-draft", _random_builder(TINY_RANDOM_DRAFT))
+register_model("smollm2-135m-random", _random_builder(SMOLLM2_SHAPE))
 
 
 def _smollm2(seed: int) -> LoadedModel:

@@ -6,6 +6,8 @@ the one real tokenizers are wrapped to.
 
 from __future__ import annotations
 
+import json
+import pathlib
 from collections.abc import Iterable
 
 
@@ -64,6 +66,15 @@ class BPETokenizer:
             eos_id=int(meta["tokenizer.ggml.eos_token_id"]),
             chat_template=meta.get("tokenizer.chat_template"),
         )
+
+    def save(self, folder) -> None:
+        """Writes Hugging Face style `tokenizer.json` and `tokenizer_config.json` (special tokens,
+        chat template) into `folder`."""
+        folder = pathlib.Path(folder)
+        (folder / "tokenizer.json").write_text(self._tok.to_str())
+        config = {"bos_token": self._token_text(self.bos_id) or None, "eos_token": self._token_text(self.eos_id),
+                  "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it map to their ids."""

@@ -1,0 +1,94 @@
+"""Settings of `specdec-jax train-draft`: one frozen dataclass, YAML keys = flags (underscores for dashes).
+
+Precedence as for runs: dataclass defaults < YAML file (`--config`) < flags.
+Unknown keys and bad values are ValueErrors that name the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+from specdec_jax.config import read_yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # target and data
+    target: str = "smollm2-135m"
+    prompts_file: str | None = None  # JSONL with question_id/turns (Spec-Bench form); None: Spec-Bench
+    heldout_per_category: int = 5  # the last N question ids of each category are held out: never trained on
+    max_train_prompts: int = 0  # 0: every training prompt (all turns of the training questions)
+    eval_prompts: int = 32  # held-out questions (first turns) answered for evaluation during training
+    max_prompt_tokens: int = 0  # skip longer prompts (their prefill dominates data time); 0: keep all
+    gen_max_new_tokens: int = 128  # length of the target's greedy answers used as data
+    gen_batch_size: int = 16
+    teacher_top_k: int = 16  # the loss matches the target's law on its top-k tokens
+    seq_len: int = 256  # training windows (the last seq_len tokens of each prompt + answer)
+    # draft architecture (None: the target's value)
+    num_layers: int = 2
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    draft_vocab: int = 8192  # output ids kept (most frequent in the training data); 0: the full vocabulary
+    init: str = "target"  # "target": copy embedding, final norm, head rows and the first layers; "random"
+    # optimisation (AdamW, linear warmup then cosine decay, global-norm clipping)
+    steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    seed: int = 0
+    # bookkeeping
+    save_every: int = 50
+    eval_every: int = 50
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        positive = ("heldout_per_category", "eval_prompts", "gen_max_new_tokens", "gen_batch_size", "teacher_top_k", "seq_len",
+                    "num_layers", "steps", "batch_size", "save_every", "eval_every", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("max_train_prompts", "max_prompt_tokens", "draft_vocab", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be null or an int >= 1, got {value!r}")
+        if self.init not in ("target", "random"):
+            raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
+        if not self.learning_rate > 0 or self.weight_decay < 0 or not self.clip_norm > 0:
+            raise ValueError("learning_rate and clip_norm must be > 0, weight_decay >= 0")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def train_config(file: str | pathlib.Path | None = None, **flags) -> TrainConfig:
+    """TrainConfig from an optional YAML file overridden by flags (None flags are ignored)."""
+    values: dict[str, Any] = {}
+    where = str(file) if file else "flags"
+    if file:
+        for key, value in read_yaml(file, "train config").items():
+            name = str(key).replace("-", "_")
+            if name not in FIELDS:
+                raise ValueError(f"{file}: unknown key {key!r} (known: {', '.join(FIELDS)})")
+            values[name] = value
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return TrainConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None

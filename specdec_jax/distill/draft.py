@@ -1,0 +1,99 @@
+"""The draft's architecture and initial weights, and the distillation loss.
+
+A draft shares the target's tokenizer and input vocabulary. Its output head may
+cover only `draft_vocab` ids (`LlamaConfig.output_vocab_size`, the `vocab_map`
+weight): on SmolLM2 the 49152 x 576 head is 113 MB, more than 4 draft layers.
+
+`init: target` copies the target's embedding (kept frozen), final norm, the
+head's rows of the kept ids, and its first `num_layers` layers. It needs the
+target's widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.distill.config import TrainConfig
+from specdec_jax.models.llama import LAYER_PARAMS, LlamaConfig, forward, init_params
+
+WIDTH_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def draft_config(target: LlamaConfig, tc: TrainConfig) -> LlamaConfig:
+    """The draft's LlamaConfig: tc's widths (None: the target's), untied head over draft_vocab ids."""
+    widths = {k: getattr(tc, k) or getattr(target, k) for k in WIDTH_KEYS}
+    if tc.init == "target" and any(widths[k] != getattr(target, k) for k in WIDTH_KEYS):
+        raise ValueError("init 'target' copies the target's weights: leave the widths at the target's "
+                         "(null), or use init 'random'")
+    output = tc.draft_vocab if 0 < tc.draft_vocab < target.vocab_size else None
+    return dataclasses.replace(target, num_layers=tc.num_layers, tie_embeddings=False, output_vocab_size=output,
+                               **widths)
+
+
+def copied_layers(target_layers: int, num_layers: int) -> list[int]:
+    """Target layer indices copied into the draft: the first `num_layers` (an early exit of the
+    target). SmolLM2's first and last layers instead started at a loss of 64 nats: its last
+    layer expects the residual stream of layer 28, not of layer 0."""
+    if num_layers > target_layers:
+        raise ValueError(f"the target has {target_layers} layers: a draft of {num_layers} cannot copy them")
+    return list(range(num_layers))
+
+
+def init_draft(cfg: LlamaConfig, target_cfg: LlamaConfig, target_arrays: dict, tc: TrainConfig,
+               vocab_map: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Initial draft weights (stacked layout of `param_shapes(cfg)`)."""
+    arrays = init_params(cfg, jax.random.key(tc.seed))
+    if vocab_map is not None:
+        arrays["vocab_map"] = np.asarray(vocab_map, np.int32)
+    if tc.init == "random":
+        return arrays
+    layers = copied_layers(target_cfg.num_layers, cfg.num_layers)
+    arrays["embed"] = target_arrays["embed"]
+    arrays["final_norm"] = target_arrays["final_norm"]
+    head = target_arrays["embed"].T if target_cfg.tie_embeddings else target_arrays["lm_head"]  # [H,V]
+    arrays["lm_head"] = np.ascontiguousarray(head if vocab_map is None else head[:, vocab_map])
+    for name in LAYER_PARAMS:
+        arrays[name] = np.asarray(target_arrays[name])[layers]
+    return arrays
+
+
+def frozen_names(tc: TrainConfig) -> tuple[str, ...]:
+    """Weights the optimizer leaves alone: the id map, and the embedding when copied from the target."""
+    return ("vocab_map", "embed") if tc.init == "target" else ("vocab_map",)
+
+
+def inverse_map(vocab_map: jax.Array | None, vocab_size: int) -> jax.Array:
+    """i32[V]: the draft logit index of each target id, -1 outside the draft's vocabulary."""
+    if vocab_map is None:
+        return jnp.arange(vocab_size, dtype=jnp.int32)
+    return jnp.full((vocab_size,), -1, jnp.int32).at[vocab_map].set(jnp.arange(vocab_map.shape[0], dtype=jnp.int32))
+
+
+def distill_loss(cfg: LlamaConfig, params: dict, batch: dict) -> tuple[jax.Array, dict]:
+    """Cross-entropy of the draft against the target's top-k law, renormalised over the ids the
+    draft can emit, averaged over answer positions (same gradient as KL to that law).
+
+    batch: tokens i32[B,S], top_ids i32[B,S,k], top_logp f32[B,S,k], weight f32[B,S].
+    Returns (loss, {"loss", "agreement"}): agreement = share of weighted positions where the
+    draft's argmax is the target's argmax (greedy acceptance of a draft given an accepted prefix).
+    """
+    tokens = batch["tokens"]
+    cache = cfg.init_cache(tokens.shape[0], tokens.shape[1])
+    logits, _ = forward(cfg, params, tokens, cache)  # f32[B,S,Vo]
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    index = inverse_map(params.get("vocab_map"), cfg.vocab_size)[batch["top_ids"]]  # i32[B,S,k]
+    inside = index >= 0
+    p = jnp.where(inside, jnp.exp(batch["top_logp"]), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-9)
+    ce = -jnp.sum(p * jnp.take_along_axis(logq, jnp.maximum(index, 0), axis=-1), axis=-1)  # f32[B,S]
+    weight = batch["weight"]
+    total = jnp.maximum(weight.sum(), 1.0)
+    loss = jnp.sum(ce * weight) / total
+    argmax = jnp.argmax(logq, axis=-1)
+    draft_top = argmax if params.get("vocab_map") is None else params["vocab_map"][argmax]
+    agreement = jnp.sum((draft_top == batch["top_ids"][..., 0]) * weight) / total
+    return loss, {"loss": loss, "agreement": agreement}

@@ -1,0 +1,240 @@
+"""`specdec-jax train-draft`: distil a draft model from a target, checkpointed and resumable.
+
+Layout of the output folder OUT::
+
+    data/train.npz, data/heldout.npz   distillation data (built once; see distill.data)
+    checkpoints/<step>/                orbax CheckpointManager: trainable weights, optimizer
+                                       state, and meta (step, config, data position)
+    log.jsonl                          one line per step: loss, agreement, tokens/s; eval lines
+    training_curve.png                 training loss and held-out agreement against step
+    draft/                             the final draft: `--draft-model OUT/draft` anywhere
+
+The run is deterministic given the config: batches come from seeded
+permutations indexed by step (`distill.data.batch_indices`), so `--resume`
+from the last checkpoint reproduces the uninterrupted run's weights exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from specdec_jax.data import spec_bench_questions
+from specdec_jax.distill.config import TrainConfig
+from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, split_questions,
+                                      training_prompts, vocab_by_frequency)
+from specdec_jax.distill.draft import distill_loss, draft_config, frozen_names, init_draft
+from specdec_jax.models import load_model
+from specdec_jax.models.llama import Llama, LlamaConfig
+from specdec_jax.models.registry import LoadedModel
+
+
+def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to 10% of the peak, after global-norm clipping;
+    norms are not decayed."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+                                                  end_value=0.1 * tc.learning_rate)
+    decay = lambda params: {k: not k.endswith("norm") for k in params}  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(schedule, weight_decay=tc.weight_decay, mask=decay))
+
+
+@functools.cache
+def compiled(cfg: LlamaConfig, tc: TrainConfig):
+    """(optimizer, train_step, evaluate) of a draft config and train config, built once per process
+    (a resumed run in the same process reuses the compiled step)."""
+    opt = optimizer(tc)
+    return opt, make_train_step(cfg, opt), make_eval(cfg, tc.batch_size)
+
+
+def make_train_step(cfg: LlamaConfig, opt: optax.GradientTransformation):
+    """jitted (trainable, opt_state, frozen, batch) -> (trainable, opt_state, metrics)."""
+
+    def step(trainable, opt_state, frozen, batch):
+        grad_fn = jax.grad(lambda t: distill_loss(cfg, {**frozen, **t}, batch), has_aux=True)
+        grads, metrics = grad_fn(trainable)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval(cfg: LlamaConfig, batch_size: int):
+    """jitted held-out metrics over a whole Dataset, in batches of `batch_size` windows."""
+    metrics = jax.jit(lambda params, batch: distill_loss(cfg, params, batch)[1])
+
+    def evaluate(params, data: Dataset) -> dict:
+        totals, weight = {"loss": 0.0, "agreement": 0.0}, 0.0
+        for start in range(0, len(data), batch_size):
+            batch = _batch(data, np.arange(start, min(start + batch_size, len(data))))
+            w = float(batch["weight"].sum())
+            for k, v in metrics(params, batch).items():
+                totals[k] += float(v) * w
+            weight += w
+        return {k: v / max(weight, 1.0) for k, v in totals.items()}
+
+    return evaluate
+
+
+def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, progress: bool = True,
+                stop_after: int | None = None) -> dict:
+    """Builds (or reads) the data, trains, checkpoints, evaluates and writes OUT/draft.
+
+    stop_after: return after this many steps of this call (the checkpoint at that
+    step is saved), as a kill would; `resume=True` continues. Returns a summary dict.
+    """
+    out = pathlib.Path(out).resolve()
+    manager = _checkpoint_manager(out, tc)
+    if resume and manager.latest_step() is None:
+        raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
+    if not resume and manager.latest_step() is not None:
+        raise ValueError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
+    target = load_model(tc.target)
+    train_data, heldout_data = _datasets(target, tc, out, progress)
+    vocab_map = None
+    cfg = draft_config(target.config, tc)
+    if cfg.output_vocab_size is not None:
+        vocab_map = vocab_by_frequency(train_data, cfg.output_vocab_size, cfg.vocab_size, [target.tokenizer.eos_id])
+    arrays = init_draft(cfg, target.config, target.model.arrays(), tc, vocab_map)
+    tokenizer = target.tokenizer
+    del target
+    frozen = {k: jnp.asarray(v) for k, v in arrays.items() if k in frozen_names(tc)}
+    trainable = {k: jnp.asarray(v) for k, v in arrays.items() if k not in frozen_names(tc)}
+    opt, train_step, evaluate = compiled(cfg, tc)
+    opt_state = opt.init(trainable)
+    start = 0
+    if resume:
+        start, trainable, opt_state = _restore(manager, tc, trainable, opt_state)
+        _truncate_log(out / "log.jsonl", start)
+    log = (out / "log.jsonl").open("a")
+    last = min(tc.steps, start + stop_after) if stop_after is not None else tc.steps
+    bar = tqdm(range(start, last), desc="train-draft", unit="step", disable=not progress, initial=start,
+               total=tc.steps)
+    for step in bar:
+        batch = _batch(train_data, batch_indices(len(train_data), tc.batch_size, step, tc.seed))
+        tick = time.perf_counter()
+        trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        rate = batch["weight"].sum() / (time.perf_counter() - tick)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", agree=f"{metrics['agreement']:.2f}", tok_s=f"{rate:.0f}")
+        record = {"step": step + 1, **metrics, "tokens_per_s": float(rate)}
+        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+            record["heldout"] = evaluate({**frozen, **trainable}, heldout_data)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if (step + 1) % tc.save_every == 0 or step + 1 in (last, tc.steps):
+            _save(manager, step + 1, tc, trainable, opt_state)
+    log.close()
+    manager.wait_until_finished()
+    done = last == tc.steps
+    summary = {"steps": last, "finished": done, "out": str(out)}
+    if done:
+        params = {k: np.asarray(v) for k, v in {**frozen, **trainable}.items()}
+        heldout = evaluate({**frozen, **trainable}, heldout_data)
+        draft = LoadedModel(Llama.from_arrays(cfg, params), cfg, tokenizer)
+        summary.update(heldout=heldout, draft=str(_export(out, draft, tc, heldout)))
+        plot_training(out / "log.jsonl", out / "training_curve.png")
+    return summary
+
+
+def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress: bool) -> tuple[Dataset, Dataset]:
+    """Training and held-out data, built once into OUT/data and read back after."""
+    folder = out / "data"
+    paths = folder / "train.npz", folder / "heldout.npz"
+    if all(p.is_file() for p in paths):
+        return Dataset.load(paths[0]), Dataset.load(paths[1])
+    folder.mkdir(parents=True, exist_ok=True)
+    train_q, heldout_q = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
+    train_records = training_prompts(train_q, tc.max_train_prompts)
+    heldout_records = [{"id": str(q["question_id"]), "prompt": q["turns"][0]} for q in heldout_q][: tc.eval_prompts]
+    datasets = []
+    for records, path in zip((train_records, heldout_records), paths):
+        data = build_dataset(target, tc, records, progress)
+        data.save(path)
+        datasets.append(data)
+    (folder / "split.json").write_text(json.dumps(
+        {"heldout_per_category": tc.heldout_per_category, "train_ids": sorted({q["question_id"] for q in train_q}),
+         "heldout_ids": sorted(q["question_id"] for q in heldout_q)}))
+    return datasets[0], datasets[1]
+
+
+def _batch(data: Dataset, index: np.ndarray) -> dict:
+    return {name: getattr(data, name)[index] for name in Dataset._fields}
+
+
+def _checkpoint_manager(out: pathlib.Path, tc: TrainConfig) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True)
+    return ocp.CheckpointManager(out / "checkpoints", options=options)
+
+
+def _save(manager, step: int, tc: TrainConfig, trainable, opt_state) -> None:
+    meta = {"step": step, "config": tc.to_dict(), "data_position": {"next_step": step, "seed": tc.seed}}
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
+        meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def _restore(manager, tc: TrainConfig, trainable, opt_state):
+    """(step, trainable, opt_state) of the latest checkpoint; a config change or an unreadable
+    checkpoint is a ValueError."""
+    step = manager.latest_step()
+    where = manager.directory / str(step)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"trainable": trainable, "opt_state": opt_state})
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    except Exception as err:  # orbax raises many kinds: name the checkpoint
+        raise ValueError(f"checkpoint {where} cannot be read ({err.__class__.__name__}: {err}); "
+                         "delete it to resume from an earlier one") from None
+    saved = restored["meta"]["config"]
+    if saved != tc.to_dict():
+        changed = sorted(k for k in saved if saved[k] != tc.to_dict().get(k))
+        raise ValueError(f"checkpoint {where} was written with a different config (changed: {', '.join(changed)})")
+    state = restored["state"]
+    return int(restored["meta"]["step"]), state["trainable"], state["opt_state"]
+
+
+def _truncate_log(path: pathlib.Path, step: int) -> None:
+    """Drops log lines past `step` (written after the checkpoint a resume starts from)."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def _export(out: pathlib.Path, draft: LoadedModel, tc: TrainConfig, heldout: dict) -> pathlib.Path:
+    from specdec_jax.models.loading import save_model_dir
+
+    info = {"kind": "distilled draft", "target": tc.target, "train_config": tc.to_dict(), "heldout": heldout}
+    return save_model_dir(out / "draft", draft, info)
+
+
+def plot_training(log_path: pathlib.Path, png: pathlib.Path) -> None:
+    """Training loss (per step) and held-out loss and agreement (per evaluation) against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    evals = [r for r in records if "heldout" in r]
+    fig, (ax_loss, ax_agree) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([r["step"] for r in records], [r["loss"] for r in records], lw=0.8, label="train")
+    ax_loss.plot([r["step"] for r in evals], [r["heldout"]["loss"] for r in evals], "o-", label="held-out")
+    ax_loss.set(xlabel="step", ylabel="distillation loss (nats)", title="loss")
+    ax_loss.legend()
+    ax_agree.plot([r["step"] for r in records], [r["agreement"] for r in records], lw=0.8, label="train")
+    ax_agree.plot([r["step"] for r in evals], [r["heldout"]["agreement"] for r in evals], "o-", label="held-out")
+    ax_agree.set(xlabel="step", ylabel="draft argmax = target argmax", title="greedy agreement", ylim=(0, 1))
+    ax_agree.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
