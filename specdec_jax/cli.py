@@ -33,7 +33,7 @@ FLAG_HELP = {
     "oracle_alpha": "acceptance of the oracle drafter",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
-    "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); default: every device on data",
+    "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
 }
 
 

@@ -335,7 +335,7 @@ def generate(
         instead of `lax.while_loop` (for debugging; identical results).
       mesh: a `(data, model)` mesh (`specdec_jax.sharding.make_mesh`): weights, KV
         caches and loop state are sharded over it and the same loop runs
-        partitioned; the batch is padded to a multiple of the data axis, whose
+        partitioned. The batch is padded to a multiple of the `data` axis; the
         `model` axis must divide the head counts and MLP width. None, or one
         device: the single-device path.
 
