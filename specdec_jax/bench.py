@@ -37,7 +37,7 @@ from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import forward
-from specdec_jax.runner import build_drafter, encode, prompt_records, sampling_params
+from specdec_jax.runner import build_drafter, encode, one_device_only, prompt_records, sampling_params
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -89,6 +89,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     peer="hf" also times transformers greedy and prompt-lookup decoding (prompt_lookup_num_tokens
     = gamma) on the same checkpoint and prompts, right after ours on each prompt (batch size 1).
     """
+    one_device_only(cfg, "bench")
     if cfg.effective_gamma == 0:
         raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
     if peer not in (None, "hf"):

@@ -33,6 +33,7 @@ FLAG_HELP = {
     "oracle_alpha": "acceptance of the oracle drafter",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
+    "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
 }
 
 
@@ -52,6 +53,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=pathlib.Path, metavar="OUT", help="write the full report as JSON")
 
 
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """Multi-host start-up (specdec_jax.sharding.initialize_distributed); env JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID stand in for flags left out."""
+    parser.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address (multi-host)")
+    parser.add_argument("--num-processes", type=int, help="processes taking part (multi-host)")
+    parser.add_argument("--process-id", type=int, help="this process's index, 0..N-1 (multi-host)")
+
+
 def config_from_args(args) -> RunConfig:
     flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
     if flags["prompt"] is not None:
@@ -62,7 +71,9 @@ def config_from_args(args) -> RunConfig:
 
 def _generate(args) -> int:
     from specdec_jax.runner import run, stats_line
+    from specdec_jax.sharding import initialize_distributed
 
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     cfg = config_from_args(args)
     report = run(cfg)
     for r in report["results"]:
@@ -171,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
     p = sub.add_parser("generate", help="generate text for prompts")
     add_run_flags(p)
+    add_distributed_flags(p)
     p.set_defaults(func=_generate)
     p = sub.add_parser("bench", help="time plain vs speculative decoding side by side, with the cost model")
     add_run_flags(p)

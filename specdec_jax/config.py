@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.sharding import DATA, parse_mesh
 
 DRAFTERS = ("none", "ngram", "draft-model", "oracle")
 
@@ -38,6 +39,7 @@ class RunConfig:
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
+    mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
 
     def __post_init__(self):
         checks = (
@@ -57,6 +59,13 @@ class RunConfig:
         if not all(isinstance(p, str) for p in self.prompt):
             raise ValueError(f"prompt must be a list of strings, got {self.prompt!r}")
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if self.mesh is not None:
+            if not isinstance(self.mesh, str):
+                raise ValueError(f"mesh must be a string like 'data=4,model=2', got {self.mesh!r}")
+            data = parse_mesh(self.mesh)[DATA]
+            if self.batch_size % data:
+                raise ValueError(f"mesh {self.mesh!r}: the data axis ({data}) does not divide batch_size "
+                                 f"{self.batch_size}")
         if self.drafter == "none":  # plain decoding: record the gamma that really runs
             object.__setattr__(self, "gamma", 0)
 

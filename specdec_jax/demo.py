@@ -19,10 +19,11 @@ from specdec_jax.compare import compare_greedy, teacher_forced_margins
 from specdec_jax.config import RunConfig
 from specdec_jax.engine import default_capacity, generate
 from specdec_jax.models import load_model
-from specdec_jax.runner import build_drafter, encode, prompt_records, sampling_params
+from specdec_jax.runner import build_drafter, encode, one_device_only, prompt_records, sampling_params
 
 
 def demo(cfg: RunConfig) -> dict:
+    one_device_only(cfg, "demo")
     if cfg.effective_gamma == 0:
         raise ValueError("the demo compares a drafter against plain decoding: choose a drafter and gamma >= 1")
     print(f"loading {cfg.model} ...", flush=True)

@@ -9,7 +9,10 @@ A round is two pure functions over one state pytree:
 verify_step)` with the state donated, so caches update in place and nothing
 crosses to the host until every row is done. `generate` is the public entry
 point: it validates, buckets shapes, prefills, runs the loop and unpacks.
-gamma = 0 is plain autoregressive decoding through the same code.
+gamma = 0 is plain autoregressive decoding through the same code. Given a
+device mesh (`specdec_jax.sharding`), weights, caches and state are sharded
+over it and the same program runs partitioned; output reaches the host after
+the loop only.
 
 Invariant per row b (DESIGN section 3): `num_tokens[b]` tokens are committed;
 the target cache holds the first `num_tokens[b] - 1` of them and the newest,
@@ -29,7 +32,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from specdec_jax import sharding
 from specdec_jax.drafters.base import VERIFY_TAG, DraftContext, Drafter, Proposal
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.metrics import Counters, Metrics
@@ -51,6 +56,7 @@ class EngineSpec:
     capacity: int  # T, KV slots per row
     eos_id: int | None
     record_top_k: int = 0  # > 0: keep the target's k most likely tokens and log-probs at every emitted token
+    mesh: Mesh | None = None  # devices the state is sharded over (specdec_jax.sharding); None: one device
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
@@ -239,7 +245,7 @@ def prefill(spec: EngineSpec, target_params, drafter_params, prompts, prompt_len
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, drafter_params, s).proposal, state)
         state = state.replace(proposal=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-    return state
+    return sharding.constrain_state(state, spec.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,15 +273,18 @@ def prepare(
     row_ids: Sequence[int] | None = None,
     capacity: int | None = None,
     record_top_k: int = 0,
+    mesh: Mesh | None = None,
 ) -> Prepared:
-    """Validates the inputs, buckets shapes and prefills; arguments as in `generate`."""
+    """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
     model = target if isinstance(target, Llama) else target.model
     config, params = model.config, model.params()
     gamma = (0 if drafter is None else 4) if gamma is None else gamma
     prompts = [list(map(int, p)) for p in prompts]
-    _validate(config, prompts, drafter, gamma, max_new_tokens, eos_id, capacity)
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    _validate(config, prompts, drafter, gamma, max_new_tokens, eos_id, capacity, mesh)
     num_rows = len(prompts)
-    batch = _next_power_of_two(num_rows)
+    data = 1 if mesh is None else mesh.shape[sharding.DATA]
+    batch = _round_up(_next_power_of_two(num_rows), data)  # the data axis divides the batch
     prompt_width = prompt_bucket(max(map(len, prompts)))
     capacity = capacity or default_capacity(max(map(len, prompts)), max_new_tokens, gamma)
     padded = np.zeros((batch, prompt_width), np.int32)
@@ -293,13 +302,14 @@ def prepare(
 
     if not 0 <= record_top_k <= config.vocab_size:
         raise ValueError(f"record_top_k must be in [0, {config.vocab_size}], got {record_top_k}")
-    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id, record_top_k)
+    spec = EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos_id, record_top_k, mesh)
     drafter_params = drafter.params if gamma > 0 else None
-    state = prefill(
-        spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
-        jnp.full((batch,), max_new_tokens, jnp.int32), jnp.arange(batch) < num_rows, jnp.asarray(ids), rows,
-        jax.random.key(seed),
-    )
+    inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
+              jax.random.key(seed))
+    if mesh is not None:
+        params, drafter_params = sharding.shard_params((params, drafter_params), mesh)
+        inputs = sharding.shard_state(inputs, mesh)
+    state = prefill(spec, params, drafter_params, *inputs)
     return Prepared(spec, params, drafter_params, state, lens, num_rows)
 
 
@@ -317,6 +327,7 @@ def generate(
     capacity: int | None = None,
     record_top_k: int = 0,
     python_loop: bool = False,
+    mesh: Mesh | None = None,
 ) -> GenerationResult:
     """Speculative decoding of a ragged batch of token-id prompts.
 
@@ -342,6 +353,11 @@ def generate(
         at every emitted token (`GenerationResult.target_top`; distillation data).
       python_loop: run the same `draft_step` / `verify_step` from a Python loop
         instead of `lax.while_loop` (for debugging; identical results).
+      mesh: a `(data, model)` mesh (`specdec_jax.sharding.make_mesh`): weights, KV
+        caches and loop state are sharded over it and the same loop runs
+        partitioned. The batch is padded to a multiple of the `data` axis; the
+        `model` axis must divide the head counts and MLP width. None, or one
+        device: the single-device path.
 
     Returns:
       GenerationResult: emitted tokens and stop reason per row, batch metrics.
@@ -349,7 +365,7 @@ def generate(
     start = time.perf_counter()
     run = prepare(
         target, prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-        seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
+        seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
     )
     spec, params, drafter_params, state = run.spec, run.params, run.drafter_params, run.state
     if python_loop:
@@ -357,8 +373,8 @@ def generate(
             state = decode_round(spec, params, drafter_params, state)
     else:
         state = run_loop(spec, params, drafter_params, state)
-    tokens, num_tokens, reasons, top = jax.device_get(
-        (state.tokens, state.num_tokens, state.stop_reason, state.target_top))
+    tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
+        (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
     wall = time.perf_counter() - start
     lens, num_rows = run.prompt_lens, run.num_rows
     if top is not None:
@@ -366,14 +382,14 @@ def generate(
     return GenerationResult(
         tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
-        metrics=Metrics.from_counters(state.counters, num_rows),
+        metrics=Metrics.from_counters(counters, num_rows),
         wall_s=wall,
-        loop_rounds=int(state.step),
+        loop_rounds=int(step),
         target_top=top,
     )
 
 
-def _validate(config: LlamaConfig, prompts, drafter, gamma, max_new_tokens, eos_id, capacity) -> None:
+def _validate(config: LlamaConfig, prompts, drafter, gamma, max_new_tokens, eos_id, capacity, mesh) -> None:
     """Every bad input raises ValueError here, before anything is compiled."""
     if not prompts:
         raise ValueError("no prompts given")
@@ -402,6 +418,10 @@ def _validate(config: LlamaConfig, prompts, drafter, gamma, max_new_tokens, eos_
         raise ValueError(
             f"the draft model's vocabulary ({draft_config.vocab_size}) differs from the target's ({config.vocab_size})"
         )
+    if mesh is not None:
+        sharding.check_model_axis(mesh, config, "the target")
+        if gamma > 0 and draft_config is not None:
+            sharding.check_model_axis(mesh, draft_config, "the draft model")
 
 
 def prompt_bucket(longest_prompt: int) -> int:

@@ -14,10 +14,11 @@ from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.sharding import make_mesh, shard_model
 
 
-def build_drafter(cfg: RunConfig, target):
-    """The drafter the config names (None for plain decoding)."""
+def build_drafter(cfg: RunConfig, target, mesh=None):
+    """The drafter the config names (None for plain decoding); a draft model's weights go onto `mesh`."""
     if cfg.effective_gamma == 0:
         return None
     if cfg.drafter == "ngram":
@@ -25,7 +26,15 @@ def build_drafter(cfg: RunConfig, target):
     if cfg.drafter == "oracle":
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
     draft = load_model(cfg.draft_model)
+    if mesh is not None:
+        shard_model(draft.model, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params())
+
+
+def one_device_only(cfg: RunConfig, command: str) -> None:
+    """ValueError when a command that times one device is given a mesh."""
+    if cfg.mesh is not None:
+        raise ValueError(f"{command} times one device: --mesh is for generate and sweep")
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -51,9 +60,14 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
 
 
 def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool = True) -> dict:
-    """Generate for every prompt in batches of cfg.batch_size; returns the JSON-ready report."""
+    """Generate for every prompt in batches of cfg.batch_size on the mesh cfg.mesh (default:
+    every device on data; the weights are placed on it once); returns the JSON-ready report."""
     target = target or load_model(cfg.model)
-    drafter = drafter if drafter is not None else build_drafter(cfg, target)
+    mesh = make_mesh(cfg.mesh)
+    mesh = mesh if mesh.size > 1 else None
+    if mesh is not None:
+        shard_model(target.model, mesh, "the target")
+    drafter = drafter if drafter is not None else build_drafter(cfg, target, mesh)
     records = records if records is not None else prompt_records(cfg)
     tok = target.tokenizer
     encoded = [encode(tok, r["prompt"], cfg.raw) for r in records]
@@ -65,7 +79,7 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
         out = generate(
             target, chunk, drafter, gamma=cfg.effective_gamma, sampling=sampling_params(cfg),
             max_new_tokens=cfg.max_new_tokens, eos_id=None if cfg.ignore_eos else tok.eos_id,
-            seed=cfg.seed, row_ids=range(start, start + len(chunk)),
+            seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh,
         )
         wall += out.wall_s
         parts.append(out.metrics)

@@ -1,0 +1,194 @@
+"""Device meshes, sharding rules and multi-host start-up.
+
+When one device is not enough, generation runs on JAX's own distributed
+runtime: the parameters, KV caches and loop state carry ``NamedSharding``s over
+a two-axis mesh, and the same jitted ``lax.while_loop`` runs partitioned by
+GSPMD. Nothing crosses to the host until the loop ends (:func:`to_host`).
+
+Mesh axes:
+
+    data   rows of the batch
+    model  attention heads, KV heads and MLP hidden units (column-parallel
+           projections in, row-parallel out: one all-reduce after attention
+           and one after the MLP, per layer)
+
+Rules (``H`` hidden, ``N``/``K`` query/KV heads of size ``D``, ``I`` MLP width,
+``V`` vocab, ``B`` rows, ``T`` KV slots; layer weights may carry a leading
+``[L]`` axis, which is never sharded)::
+
+    wq [H, N*D], wk / wv [H, K*D], w_gate / w_up [H, I]   P(None, 'model')
+    wo [N*D, H], w_down [I, H]                             P('model', None)
+    embed [V, H], lm_head [H, V], norms                    replicated
+    KV cache  k [B, K, T, D], v [B, K, D, T] per layer     P('data', 'model')
+    loop state with a batch axis, e.g. i32[B], i32[B,Tbuf] P('data')
+    scalars (key, step), per-position and width counters   replicated
+
+so ``model`` must divide ``N``, ``K`` and ``I`` (whole heads per device) of the
+target and of a draft model (:func:`check_model_axis`), and ``data`` must divide
+the padded batch (the engine pads the batch up to a multiple of it).
+
+A one-device mesh is no mesh: the engine then runs its single-device path.
+
+Known cost: GSPMD partitions the KV-cache write (a scatter with explicit row
+and head indices) by all-gathering each step's new keys and values, and their
+indices, over ``data`` (B x K x S x D floats per layer, never the cache itself).
+
+Multi-host: every process runs the same program on the same prompts after
+:func:`initialize_distributed`; a mesh then spans every process's devices and
+each process gets the whole output.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax.kv_cache import KVCache
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., in, out]: out on `model`
+ROW_PARALLEL = ("wo", "w_down")  # [.., in, out]: in on `model`
+UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds")  # Counters fields without a batch axis
+
+_MESH_TEXT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=4,model=2"`` -> ``{"data": 4, "model": 2}``; an axis left out has size 1."""
+    sizes = dict.fromkeys(AXES, 1)
+    seen = set()
+    for part in text.split(","):
+        match = _MESH_TEXT.match(part)
+        if not match or match.group(1) not in AXES or match.group(1) in seen or int(match.group(2)) < 1:
+            raise ValueError(f"mesh {text!r} is not of the form 'data=N,model=M' (each axis at most once, sizes >= 1)")
+        seen.add(match.group(1))
+        sizes[match.group(1)] = int(match.group(2))
+    return sizes
+
+
+def make_mesh(text: str | None = None, devices=None) -> Mesh:
+    """A ``(data, model)`` mesh from ``"data=4,model=2"`` over the first ``data * model``
+    of ``devices`` (default: ``jax.devices()``, every process's). ``None`` puts every
+    device on ``data``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {DATA: len(devices), MODEL: 1} if text is None else parse_mesh(text)
+    needed = math.prod(sizes[a] for a in AXES)
+    if needed > len(devices):
+        raise ValueError(f"mesh data={sizes[DATA]},model={sizes[MODEL]} needs {needed} devices, "
+                         f"jax sees {len(devices)}")
+    return jax.make_mesh((sizes[DATA], sizes[MODEL]), AXES, axis_types=(AxisType.Auto,) * 2,
+                         devices=devices[:needed])
+
+
+def check_model_axis(mesh: Mesh, config, what: str = "the model") -> None:
+    """ValueError unless the ``model`` axis divides the head counts and MLP width of ``config``."""
+    size = mesh.shape[MODEL]
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(config, name) % size:
+            raise ValueError(f"mesh axis model={size} does not divide {name} = {getattr(config, name)} of {what} "
+                             f"(num_heads {config.num_heads}, num_kv_heads {config.num_kv_heads}, "
+                             f"intermediate_size {config.intermediate_size})")
+
+
+def param_spec(name: str, ndim: int) -> P:
+    """PartitionSpec of weight ``name`` (see the module docstring) with ``ndim`` axes."""
+    if name in COLUMN_PARALLEL:
+        return P(*[None] * (ndim - 1), MODEL)
+    if name in ROW_PARALLEL:
+        return P(*[None] * (ndim - 2), MODEL, None)
+    return P()
+
+
+def param_shardings(params, mesh: Mesh):
+    """NamedShardings for a weight pytree whose leaves sit under their name: the dict of
+    ``Llama.params()`` (layer weights as tuples) or an ``nnx.state`` of a ``Llama``."""
+    def rule(path, x):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        return NamedSharding(mesh, param_spec(names[-1], x.ndim))
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def shard_params(params, mesh: Mesh):
+    """``params`` placed on ``mesh`` (a no-op for weights already placed so)."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def shard_model(model, mesh: Mesh, what: str = "the model") -> None:
+    """Moves the weights of an ``nnx`` ``Llama`` onto ``mesh`` in place (after
+    :func:`check_model_axis`), so that every later ``model.params()`` hands out
+    sharded arrays and ``generate`` copies nothing."""
+    check_model_axis(mesh, model.config, what)
+    state = nnx.state(model)
+    nnx.update(model, shard_params(state, mesh))
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings for loop state (or prefill inputs): a ``KVCache`` (the target's or a
+    draft model's) ``P('data', 'model')`` and lengths ``P('data')``; other arrays ``P('data')``
+    on their leading (batch) axis, except scalars and ``UNBATCHED_STATE``, replicated."""
+    def rule(path, x):
+        if isinstance(x, KVCache):
+            heads = NamedSharding(mesh, P(DATA, MODEL))
+            return KVCache(k=(heads,) * len(x.k), v=(heads,) * len(x.v), lengths=NamedSharding(mesh, P(DATA)))
+        name = getattr(path[-1], "name", None) if path else None
+        return NamedSharding(mesh, P() if x.ndim == 0 or name in UNBATCHED_STATE else P(DATA))
+
+    return jax.tree_util.tree_map_with_path(rule, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def shard_state(state, mesh: Mesh):
+    """``state`` placed by :func:`state_shardings` (host arrays or arrays on one device)."""
+    return jax.tree.map(_put, state, state_shardings(state, mesh))
+
+
+def _put(x, sharding: NamedSharding):
+    """``jax.device_put``; PRNG keys go as their key data (device_put cannot send a key
+    array to other processes' devices)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    return jax.device_put(x, sharding)
+
+
+def constrain_state(state, mesh: Mesh | None):
+    """Inside jit: ``state`` constrained to :func:`state_shardings` (unchanged without a mesh)."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh))
+
+
+def to_host(tree):
+    """The arrays of ``tree`` as numpy arrays, whole on every process (across processes,
+    an all-gather)."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """``jax.distributed.initialize`` from the arguments, else the environment variables
+    ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0), ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID``. Returns False (and does nothing) when none of them is set.
+
+    Call it before anything else touches JAX's devices.
+    """
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("JAX_PROCESS_ID"):
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if coordinator_address is None and num_processes is None and process_id is None:
+        return False
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True

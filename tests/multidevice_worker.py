@@ -1,0 +1,103 @@
+"""Worker of tests/test_multidevice.py, run in a subprocess that sees 8 CPU devices.
+
+    python tests/multidevice_worker.py [--cases ngram,oracle] MESH [MESH ...]   # MESH: "data=4,model=2", ...
+
+prints one JSON object: for every mesh and case (default: all of `cases`), the
+emitted tokens and stop reasons of one `generate` call, and the shardings the
+loop state carried before and after the loop; and the error of a mesh whose
+model axis does not divide tiny-random's 2 KV heads. "data=1" is one device:
+the single-device path.
+
+The models are tiny random Llamas whose head counts (8 query, 4 KV heads; the
+draft model 4 and 4) divide a model axis of 4; tiny-random's 2 KV heads do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import numpy as np
+
+from specdec_jax import engine, sharding
+from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.models import load_model
+from specdec_jax.models.llama import LlamaConfig
+from specdec_jax.models.registry import random_llama
+from specdec_jax.models.tokenizer import ByteTokenizer
+from specdec_jax.sampling import SamplingParams
+
+TARGET = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=1,
+                     num_heads=8, num_kv_heads=4, head_dim=8)
+DRAFT = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=4, head_dim=8, tie_embeddings=True)
+MAX_NEW = 10
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=1.0)
+
+
+def prompts() -> list[list[int]]:
+    """8 ragged prompts (3..20 tokens), half of them repetitive so that the n-gram drafter drafts."""
+    rng = np.random.default_rng(8)
+    random = [rng.integers(0, 256, n).tolist() for n in (3, 7, 12, 20)]
+    return [p for pair in zip(random, ([5, 6, 7] * 4, [1, 2] * 5, [9] * 6, [3, 4, 5, 6] * 3)) for p in pair]
+
+
+def cases(target, draft):
+    """name -> (drafter, per-row sampling): greedy batches, and batches mixing greedy and sampled rows."""
+    mixed = [GREEDY, SAMPLED] * 4
+    return {
+        "plain": (None, GREEDY),
+        "plain-mixed": (None, mixed),
+        "ngram": (NgramDrafter(), GREEDY),
+        "ngram-mixed": (NgramDrafter(), mixed),
+        "draft-model-mixed": (ModelDrafter(DRAFT, draft.params()), mixed),
+        "oracle": (oracle_drafter(TARGET, target.params(), 0.7), GREEDY),
+    }
+
+
+def specs(tree) -> list[str]:
+    return sorted({str(getattr(x.sharding, "spec", "one device")) for x in jax.tree.leaves(tree)})
+
+
+def run(mesh_text: str, names: list[str], target, draft) -> dict:
+    mesh = sharding.make_mesh(mesh_text)
+    out = {}
+    for name in names:
+        drafter, sampling = cases(target, draft)[name]
+        gamma = 0 if drafter is None else 3
+        kwargs = dict(gamma=gamma, sampling=sampling, max_new_tokens=MAX_NEW, seed=5, mesh=mesh)
+        result = engine.generate(target, prompts(), drafter, **kwargs)
+        out[name] = {"tokens": result.tokens, "stop_reasons": result.stop_reasons}
+    run = engine.prepare(target, prompts(), NgramDrafter(), gamma=3, max_new_tokens=MAX_NEW, mesh=mesh)
+    after = engine.run_loop(run.spec, run.params, run.drafter_params, run.state)
+    out["shardings"] = {
+        "cache_before": specs(run.state.cache.k), "cache_after": specs(after.cache.k),
+        "tokens_before": specs(run.state.tokens), "tokens_after": specs(after.tokens),
+        "wq": specs(run.params["wq"]), "wo": specs(run.params["wo"]),
+    }
+    return out
+
+
+def indivisible_error() -> str:
+    """The message of generate on tiny-random (2 KV heads) over a mesh with model=4."""
+    try:
+        engine.generate(load_model("tiny-random"), [[1, 2]], mesh=sharding.make_mesh("data=2,model=4"))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("meshes", nargs="+")
+    parser.add_argument("--cases", default=None, help="comma-separated names of `cases` (default: all)")
+    args = parser.parse_args()
+    target, draft = random_llama(TARGET, seed=1), random_llama(DRAFT, seed=2)
+    names = args.cases.split(",") if args.cases else list(cases(target, draft))
+    out = {m: run(m, names, target, draft) for m in args.meshes}
+    print(json.dumps({"devices": jax.device_count(), "indivisible_error": indivisible_error(), "meshes": out}))
+
+
+if __name__ == "__main__":
+    main()
