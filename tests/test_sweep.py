@@ -12,7 +12,8 @@ from specdec_jax.cli import main
 from specdec_jax.config import load_yaml, resolve
 from specdec_jax.sweep import load_sweep, sweep
 
-CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "train")  # train configs: test_distill
 SMOKE = {"model": "tiny-random", "max_new_tokens": 3, "batch_size": 2, "prompt": ("hi", "abcabc"),
          "prompts_file": None, "raw": True, "ignore_eos": True}
 
