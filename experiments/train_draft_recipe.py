@@ -9,7 +9,8 @@
    questions (never trained on) of the open-ended categories writing, roleplay
    and qa: greedy, then temperature 0.7.
 
-Writes results.json, table.md and training_curve.png to experiments/results/draft_recipe.
+Writes results.json, table.md, training_curve.png and one bench report per temperature
+(bench_t0.json, bench_t0.7.json; experiment 4 reads the greedy one) to experiments/results/draft_recipe.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=pathlib.Path, default=pathlib.Path("configs/train/smollm2-draft.yaml"))
     parser.add_argument("--run", type=pathlib.Path, default=None, help="training folder (default: in the cache)")
-    parser.add_argument("--gamma", type=int, default=3)
+    parser.add_argument("--gamma", type=int, default=2, help="2: on this CPU Tv/T1 grows fast with the width")
     parser.add_argument("--per-category", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
         cfg = RunConfig(model=tc.target, drafter="draft-model", draft_model=str(draft), gamma=args.gamma,
                         temperature=temperature, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
         reports[temperature] = bench(cfg, repeats=1, per_category=args.per_category)
+        (args.out / f"bench_t{temperature:g}.json").write_text(json.dumps(reports[temperature], indent=1, default=str))
     prompts.unlink()
     total_s = time.perf_counter() - tick
     shutil.copy(run / "training_curve.png", args.out / "training_curve.png")

@@ -99,7 +99,10 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed):
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**3), exact_law(target()))
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
     # The acceptance path was really exercised: drafts were both accepted and rejected.
-    assert metrics.draft_tokens > N and 0.1 < metrics.acceptance_rate < 0.95, metrics
+    assert metrics.draft_tokens > N and 0.1 < metrics.acceptance_rate < 0.99, metrics
+    if drafter == "reduced":  # tokens the draft cannot propose came (from the residual) at the target's rate
+        digits = np.stack([codes // V**2, codes // V % V, codes % V])
+        assert np.isin(digits, [1, 4]).any(axis=0).mean() > 0.01
 
 
 def test_chi_square_rejects_a_wrong_law():
