@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import tempfile
 
 from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
@@ -36,7 +37,8 @@ def main(argv=None) -> int:
     copy_heavy = [q for q in questions if q["category"] in args.categories]
     chosen = copy_heavy[: args.prompts]
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts_file = args.out / "prompts.jsonl"  # ids and first turns only, read from Spec-Bench at run time
+    folder = tempfile.TemporaryDirectory()  # Spec-Bench text is read at run time, never written to the repository
+    prompts_file = pathlib.Path(folder.name) / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"id": q["question_id"], "prompt": q["turns"][0]}) for q in chosen))
     records = []
     for batch in args.batches:
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         print(f"batch {batch}: end to end plain {overall['plain_e2e_tokens_per_s']:.1f} tok/s, spec "
               f"{overall['spec_e2e_tokens_per_s']:.1f} tok/s, speedup {overall['e2e_speedup']:.2f}x; "
               f"Tv/T1 {overall['Tv_over_T1']:.2f}", flush=True)
-    prompts_file.unlink()
+    folder.cleanup()
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "records": records}, indent=1))
     lines = ["| batch | plain tok/s (end to end) | spec tok/s (end to end) | speedup (end to end) | speedup (decode "

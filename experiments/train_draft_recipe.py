@@ -19,6 +19,7 @@ import argparse
 import json
 import pathlib
 import shutil
+import tempfile
 import time
 
 from common import RESULTS, markdown_table
@@ -59,7 +60,8 @@ def main(argv=None) -> int:
     _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     chosen = [q for q in held if q["category"] in OPEN_ENDED]
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = args.out / "heldout_prompts.jsonl"  # ids and first turns, read from Spec-Bench at run time
+    folder = tempfile.TemporaryDirectory()  # Spec-Bench text is read at run time, never written to the repository
+    prompts = pathlib.Path(folder.name) / "heldout_prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
                                              "turns": q["turns"][:1]}) for q in chosen))
     reports = {}
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
                         temperature=temperature, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
         reports[temperature] = bench(cfg, repeats=1, per_category=args.per_category)
         (args.out / f"bench_t{temperature:g}.json").write_text(json.dumps(reports[temperature], indent=1, default=str))
-    prompts.unlink()
+    folder.cleanup()
     total_s = time.perf_counter() - tick
     shutil.copy(run / "training_curve.png", args.out / "training_curve.png")
 
