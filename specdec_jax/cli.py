@@ -130,14 +130,13 @@ def _train_draft(args) -> int:
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field (defaults None: only given flags override the file)."""
     from specdec_jax.distill.config import FIELDS
+    from specdec_jax.distill.draft import WIDTH_KEYS  # int fields whose default is None (the target's value)
 
     for name, field in FIELDS.items():
         value = field.default
-        kind = int if name in INT_OR_NONE else (str if value is None else type(value))
+        kind = int if name in WIDTH_KEYS else (str if value is None else type(value))
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"(default {value})")
 
-
-INT_OR_NONE = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
 
 
 def _theory(args) -> int:
