@@ -98,6 +98,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         raise ValueError("--peer hf compares single prompts: use --batch-size 1")
     if peer and cfg.temperature != 0:
         raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
+    jax.clear_caches()  # each compiled XLA program stays memory-mapped: benches in one process would exhaust vm.max_map_count
     target = load_model(cfg.model)
     hf = None
     if peer:

@@ -79,6 +79,7 @@ def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = Tr
     provenance = _provenance()
     models: dict[str, Any] = {}
     for cfg in tqdm(todo, desc=f"sweep {pathlib.Path(path).name}", unit="point", disable=not progress):
+        jax.clear_caches()  # each compiled XLA program stays memory-mapped: a long sweep would exhaust vm.max_map_count
         target = models.get(cfg.model) or models.setdefault(cfg.model, load_model(cfg.model))
         report = run(cfg, target=target, progress=False)
         outputs = [r["tokens"] for r in report["results"]]

@@ -25,7 +25,7 @@ from specdec_jax.compare import compare_rows
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig, forward
-from specdec_jax.sampling import RowSampling, SamplingParams
+from specdec_jax.sampling import SamplingParams
 
 MAX_NEW = 40
 GAMMA = 4
@@ -103,7 +103,7 @@ def reference():
 
 
 # ----------------------------------------------------------------------------
-# Driving rounds by hand (mirrors the argument preparation of engine.generate)
+# Driving rounds by hand (from engine.prepare, the state generate's loop starts from)
 
 
 @dataclasses.dataclass
@@ -140,28 +140,10 @@ def prepare(
     seed=0,
     capacity=None,
 ) -> HandRun:
-    """The state `generate` builds before its loop, for hand-driven rounds."""
-    model = target().model
-    config, params = model.config, model.params()
-    num_rows = len(prompts)
-    batch = engine._next_power_of_two(num_rows)
-    longest = max(map(len, prompts))
-    width = engine.prompt_bucket(longest)
-    capacity = capacity or engine.default_capacity(longest, max_new_tokens, gamma)
-    padded = np.zeros((batch, width), np.int32)
-    lens = np.ones((batch,), np.int32)
-    for b, p in enumerate(prompts):
-        padded[b, : len(p)] = p
-        lens[b] = len(p)
-    rows = RowSampling.from_params([sampling] * batch, batch)
-    spec = engine.EngineSpec(config, drafter if gamma > 0 else None, gamma, capacity, eos)
-    drafter_params = drafter.params if gamma > 0 else None
-    state = engine.prefill(
-        spec, params, drafter_params, jnp.asarray(padded), jnp.asarray(lens),
-        jnp.full((batch,), max_new_tokens, jnp.int32), jnp.arange(batch) < num_rows,
-        jnp.arange(batch, dtype=jnp.int32), rows, jax.random.key(seed),
-    )
-    return HandRun(spec, params, drafter_params, state, num_rows)
+    """The state `generate` builds before its loop (`engine.prepare`), for hand-driven rounds."""
+    run = engine.prepare(target(), prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens,
+                         eos_id=eos, seed=seed, capacity=capacity)
+    return HandRun(run.spec, run.params, run.drafter_params, run.state, run.num_rows)
 
 
 # ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import pytest
 
 from specdec_jax import runner
@@ -85,6 +86,16 @@ def test_sweep_resumes_without_rerunning_finished_points(tmp_path, monkeypatch):
     assert calls == [2]
     new = (out / "results.jsonl").read_text().splitlines()
     assert len(new) == 2 and json.loads(new[0]) == json.loads(lines[0]) and json.loads(new[-1])["outputs_sha256"] == json.loads(lines[1])["outputs_sha256"]
+
+
+def test_sweep_drops_compiled_programs_before_each_point(tmp_path, monkeypatch):
+    """Compiled programs stay memory-mapped; without this a long sweep on SmolLM2 died of
+    vm.max_map_count ("LLVM ERROR: Unable to allocate section memory") after a few points."""
+    path, out = write_sweep(tmp_path), tmp_path / "out"
+    real_clear, calls = jax.clear_caches, []
+    monkeypatch.setattr(jax, "clear_caches", lambda: calls.append(1) or real_clear())
+    sweep(path, out, progress=False)
+    assert len(calls) == len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
 def test_same_config_and_seed_give_identical_outputs(tmp_path):
