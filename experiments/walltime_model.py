@@ -29,14 +29,14 @@ import sys
 from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
 from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
+from specdec_jax.theory import expected_tokens_per_round
 
 GAMMAS = [1, 2, 4, 8]
 DRAFTERS = {"ngram": {"drafter": "ngram"}, "oracle a=0.8": {"drafter": "oracle", "oracle_alpha": 0.8}}
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> float:
-    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (gamma * c + 1)
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1)
 
 
 def main(argv=None) -> int:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                                 prompts_file=str(prompts_file), **drafter)
                 overall = bench(cfg, repeats=args.repeats)["overall"]
                 alpha, c = overall["per_position_acceptance"][0], overall["Td_ms"] / overall["T1_ms"]
-                row = [name, gamma, alpha, leviathan(alpha, gamma, 0.0), overall["tokens_per_round"], c,
+                row = [name, gamma, alpha, expected_tokens_per_round(alpha, gamma), overall["tokens_per_round"], c,
                        overall["Tv_over_T1"], leviathan(alpha, gamma, c), overall["predicted_speedup"],
                        overall["speedup"]]
                 rows.append(row)

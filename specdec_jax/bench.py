@@ -37,7 +37,8 @@ from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import forward
-from specdec_jax.runner import build_drafter, encode, one_device_only, prompt_records, sampling_params
+from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, one_device_only, prompt_records,
+                                sampling_params)
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -98,7 +99,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         raise ValueError("--peer hf compares single prompts: use --batch-size 1")
     if peer and cfg.temperature != 0:
         raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
-    jax.clear_caches()  # each compiled XLA program stays memory-mapped: benches in one process would exhaust vm.max_map_count
+    drop_compiled_programs()
     target = load_model(cfg.model)
     hf = None
     if peer:

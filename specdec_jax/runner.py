@@ -5,6 +5,7 @@ Shared by `specdec-jax generate`, the demo and the benchmarks.
 
 from __future__ import annotations
 
+import jax
 from tqdm import tqdm
 
 from specdec_jax.config import RunConfig
@@ -29,6 +30,13 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     if mesh is not None:
         shard_model(draft.model, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params())
+
+
+def drop_compiled_programs() -> None:
+    """Empties JAX's compile caches. Call it before each of many runs in one process: XLA CPU keeps
+    every compiled program memory-mapped, and a few SmolLM2 benches (~24k maps each) exceed
+    vm.max_map_count (65,530) with "LLVM ERROR: Unable to allocate section memory"."""
+    jax.clear_caches()
 
 
 def one_device_only(cfg: RunConfig, command: str) -> None:

@@ -65,7 +65,7 @@ def load_sweep(path: str | pathlib.Path) -> tuple[list[str], list[RunConfig]]:
 def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = True) -> list[dict]:
     """Runs the missing points of the sweep file into `out`; returns every record (old and new)."""
     from specdec_jax.models import load_model
-    from specdec_jax.runner import run
+    from specdec_jax.runner import drop_compiled_programs, run
 
     keys, configs = load_sweep(path)
     out = pathlib.Path(out)
@@ -79,7 +79,7 @@ def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = Tr
     provenance = _provenance()
     models: dict[str, Any] = {}
     for cfg in tqdm(todo, desc=f"sweep {pathlib.Path(path).name}", unit="point", disable=not progress):
-        jax.clear_caches()  # each compiled XLA program stays memory-mapped: a long sweep would exhaust vm.max_map_count
+        drop_compiled_programs()
         target = models.get(cfg.model) or models.setdefault(cfg.model, load_model(cfg.model))
         report = run(cfg, target=target, progress=False)
         outputs = [r["tokens"] for r in report["results"]]
