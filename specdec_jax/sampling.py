@@ -10,6 +10,11 @@ these transforms. Order (as HF transformers):
 Temperature 0 means greedy: the law is a one-hot at the argmax of the penalized
 logits. A batch may mix greedy and sampled rows.
 
+Penalties follow the semantics users know: the repetition penalty (CTRL, as in
+transformers) counts the whole context, prompt and generated tokens; presence
+and frequency penalties (vLLM, the OpenAI API) count generated tokens only.
+`PenaltyCounts` carries both counts.
+
 Per-row settings live in `RowSampling` as arrays; its static flags (computed on
 the host) say which transforms any sampled row uses, so a transform nobody in
 the batch uses is not compiled in (e.g. no vocab sort without top-k / top-p).
@@ -21,6 +26,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -36,9 +42,10 @@ class SamplingParams:
     top_k: keep the k highest logits; 0 = off.
     top_p: keep the smallest set of top tokens whose mass is >= top_p; 1 = off.
     min_p: keep tokens with prob >= min_p * max prob; 0 = off.
-    repetition_penalty: CTRL/HF penalty on tokens already in the context; 1 = off.
-    presence_penalty: subtracted once from the logit of every context token.
-    frequency_penalty: subtracted once per occurrence of a context token.
+    repetition_penalty: CTRL/HF penalty on tokens already in the context (prompt and
+      generated); 1 = off.
+    presence_penalty: subtracted once from the logit of every token generated so far.
+    frequency_penalty: subtracted once per occurrence of a token generated so far.
     """
 
     temperature: float = 0.0
@@ -139,8 +146,36 @@ class RowSampling:
         )
 
 
+class PenaltyCounts(NamedTuple):
+    """How often each token occurs in what a position conditions on; arrays f32[B,V] or f32[B,S,V]."""
+
+    context: jax.Array  # prompt + generated tokens (+ candidates before the position): repetition penalty
+    generated: jax.Array  # generated tokens only (+ candidates): presence and frequency penalties
+
+    @classmethod
+    def of_history(cls, tokens: jax.Array, num_tokens: jax.Array, prompt_lens: jax.Array,
+                   vocab_size: int) -> PenaltyCounts:
+        """f32[B,V] counts of the committed ``tokens[b, :num_tokens[b]]`` i32[B,Tbuf], whose first
+        ``prompt_lens[b]`` are the prompt."""
+        return cls(token_counts(tokens, num_tokens, vocab_size),
+                   token_counts(tokens, num_tokens, vocab_size, start=prompt_lens))
+
+    def at_positions(self, drafts: jax.Array) -> PenaltyCounts:
+        """f32[B,S,V] counts of a verify pass over [t0, drafts i32[B,S-1]] (`position_counts`)."""
+        return PenaltyCounts(position_counts(self.context, drafts), position_counts(self.generated, drafts))
+
+    def add(self, ids: jax.Array) -> PenaltyCounts:
+        """One more occurrence of token ``ids[b]`` i32[B] in both counts (f32[B,V] counts)."""
+        rows = jnp.arange(ids.shape[0])
+        return PenaltyCounts(self.context.at[rows, ids].add(1.0), self.generated.at[rows, ids].add(1.0))
+
+    def take(self, ids: jax.Array) -> PenaltyCounts:
+        """The counts of the tokens ``ids`` i32[Vo] only (a reduced draft vocabulary), f32[B,Vo]."""
+        return PenaltyCounts(self.context[:, ids], self.generated[:, ids])
+
+
 def process_logits(
-    logits: jax.Array, rows: RowSampling, counts: jax.Array | None = None
+    logits: jax.Array, rows: RowSampling, counts: PenaltyCounts | None = None
 ) -> jax.Array:
     """Turn logits into the processed law; each row sums to 1.
 
@@ -148,9 +183,9 @@ def process_logits(
       logits: f32[B,S,V] (any float dtype; computed in f32). Middle axes are
         free: f32[B,V] works too, with `counts` of the same shape.
       rows: per-row settings, `RowSampling` with batch B.
-      counts: f32[B,S,V], how often each token occurs in the context that
-        position s conditions on (see `token_counts`, `position_counts`).
-        Needed only when `rows.use_penalties`.
+      counts: `PenaltyCounts` of arrays shaped like `logits`: how often each
+        token occurs in the context (and among generated tokens) that position
+        s conditions on. Needed only when `rows.use_penalties`.
 
     Returns:
       f32[B,S,V] probabilities. Masked tokens are exactly 0. Greedy rows
@@ -170,10 +205,10 @@ def process_logits(
     if rows.use_penalties:
         if counts is None:
             raise ValueError("rows use penalties, so process_logits needs counts")
-        seen = counts > 0
         rp = per_row(rows.repetition_penalty)
-        x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
-        x = x - per_row(rows.presence_penalty) * seen - per_row(rows.frequency_penalty) * counts
+        x = jnp.where(counts.context > 0, jnp.where(x > 0, x / rp, x * rp), x)
+        x = (x - per_row(rows.presence_penalty) * (counts.generated > 0)
+             - per_row(rows.frequency_penalty) * counts.generated)
 
     greedy = jax.nn.one_hot(jnp.argmax(x, axis=-1), vocab, dtype=jnp.float32)
     if not rows.any_sampled:
@@ -216,20 +251,24 @@ def process_logits(
     return jnp.where(is_greedy, greedy, jax.nn.softmax(x, axis=-1))
 
 
-def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int) -> jax.Array:
-    """Occurrences of each token in tokens[b, :length[b]].
+def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int, start: jax.Array | None = None) -> jax.Array:
+    """Occurrences of each token in tokens[b, start[b]:length[b]].
 
     Args:
-      tokens: i32[B,L], values in [0, vocab_size) where valid; padding beyond
-        `length` may hold anything.
-      length: i32[B], number of valid tokens per row.
+      tokens: i32[B,L], values in [0, vocab_size) where valid; entries outside
+        [start, length) may hold anything.
+      length: i32[B], end of the counted span per row.
       vocab_size: V.
+      start: i32[B], start of the counted span per row; None = 0.
 
     Returns:
       f32[B,V] counts (a scatter-add; no [B,L,V] one-hot is built).
     """
     batch, max_len = tokens.shape
-    valid = jnp.arange(max_len)[None, :] < length[:, None]  # bool[B,L]
+    index = jnp.arange(max_len)[None, :]
+    valid = index < length[:, None]  # bool[B,L]
+    if start is not None:
+        valid &= index >= start[:, None]
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], tokens.shape)
     return (
         jnp.zeros((batch, vocab_size), jnp.float32)

@@ -6,8 +6,14 @@ predicts the token after verify input i (input 0 is the last committed token,
 input i >= 1 is draft i). Verification keeps the longest acceptable prefix of
 `m` drafts and appends one target token read at position `m`: the correction
 at the first rejection, or the bonus after a full match (position `k`, the
-row's own count, never `G`). EOS and the per-row budget truncate the run
+row's own count, never `G`). A stop token (EOS) and the per-row budget truncate the run
 exactly where plain decoding would stop.
+
+Randomness (`specdec_jax.rng`): `keys[b, i]` is row b's key of verified position
+i, the absolute position of draft i+1 and of a correction or bonus emitted
+there. The accept-uniform of draft i+1 folds in `Purpose.ACCEPT`, the
+correction/bonus draw `Purpose.RESIDUAL`. No key is split over the batch, so a
+row's draws never depend on its neighbours.
 
 Everything is fixed-shape and vectorized; `num_draft`, `budget` and the keys
 may be traced. Both rules return a `VerifyResult`; row b emits
@@ -18,12 +24,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
-# Distinct fold_in tags, so accept-uniforms and residual draws never share bits.
-ACCEPT_TAG = 0
-RESIDUAL_TAG = 1
+from specdec_jax.rng import Purpose, check_keys, for_purpose
 
 
 class VerifyResult(NamedTuple):
@@ -32,14 +38,14 @@ class VerifyResult(NamedTuple):
     n_accepted: jax.Array  # i32[B] drafts accepted, counted before EOS/budget truncation
 
 
-def verify_greedy(draft, target_argmax, num_draft, *, eos_id=None, budget=None) -> VerifyResult:
+def verify_greedy(draft, target_argmax, num_draft, *, stop_ids: Sequence[int] = (), budget=None) -> VerifyResult:
     """Greedy verification: draft i is kept while it equals the target's argmax.
 
     Args:
       draft: i32[B,G] drafted tokens, padded past `num_draft`.
       target_argmax: i32[B,G+1] argmax of the target law at each verified position.
       num_draft: i32[B] real drafts per row, in 0..G.
-      eos_id: int or None; an EOS inside the emitted run ends it (EOS included).
+      stop_ids: token ids (static); the first one inside the emitted run ends it (kept).
       budget: i32[B] or None; tokens row b may still emit (>= 1).
     """
     draft, target_argmax, num_draft = _check_shapes(draft, target_argmax, num_draft)
@@ -47,11 +53,11 @@ def verify_greedy(draft, target_argmax, num_draft, *, eos_id=None, budget=None) 
     n_accepted = _leading_accepted(matches, num_draft)
     # Accepted drafts equal the argmax, and the correction/bonus is the argmax at
     # position n_accepted: the whole emitted run is a prefix of target_argmax.
-    return _truncate(target_argmax, n_accepted, eos_id, budget)
+    return _truncate(target_argmax, n_accepted, stop_ids, budget)
 
 
 def verify_stochastic(
-    key, draft, draft_probs, target_probs, num_draft, *, eos_id=None, budget=None
+    keys, draft, draft_probs, target_probs, num_draft, *, stop_ids: Sequence[int] = (), budget=None
 ) -> VerifyResult:
     """Speculative sampling: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)).
 
@@ -61,23 +67,22 @@ def verify_stochastic(
     target law exactly (Leviathan et al. 2023, Chen et al. 2023).
 
     Args:
-      key: one typed PRNG key, or per-row keys of shape [B] (a row's draws then
-        do not depend on its batch neighbours).
+      keys: key[B,G+1] typed PRNG keys, one per row and verified position
+        (`specdec_jax.rng.position_keys`; see the module docstring).
       draft: i32[B,G] drafted tokens, padded past `num_draft`.
       draft_probs: f32[B,G,V] the law each draft was sampled from, or None for a
         deterministic drafter (a point mass on the draft: accept iff u < p(d)).
       target_probs: f32[B,G+1,V] processed target law at each verified position.
       num_draft: i32[B] real drafts per row, in 0..G.
-      eos_id, budget: as in `verify_greedy`.
+      stop_ids, budget: as in `verify_greedy`.
     """
     draft, target_probs, num_draft = _check_shapes(draft, target_probs, num_draft)
     batch, gamma = draft.shape
-    row_keys = _row_keys(key, batch)
-    accept_keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, ACCEPT_TAG)
-    residual_keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, RESIDUAL_TAG)
+    keys = check_keys(keys, (batch, gamma + 1))
     # u in [tiny, 1): never 0, so a draft the target gives probability 0 is never accepted.
     tiny = jnp.finfo(jnp.float32).tiny
-    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,), minval=tiny, maxval=1.0))(accept_keys)
+    accept_keys = for_purpose(keys[:, :gamma], Purpose.ACCEPT).reshape(-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, minval=tiny, maxval=1.0))(accept_keys).reshape(batch, gamma)
 
     p_draft = _take_token(target_probs[:, :-1], draft)  # f32[B,G]
     if draft_probs is None:
@@ -92,12 +97,13 @@ def verify_stochastic(
     rejected_at_m = (n_accepted < num_draft)[:, None]
     residual = jnp.where(rejected_at_m, jnp.maximum(p_last - q_last, 0.0), p_last)
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_last)
+    residual_keys = for_purpose(jnp.take_along_axis(keys, n_accepted[:, None], axis=1)[:, 0], Purpose.RESIDUAL)
     last = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(residual_keys, residual)
 
     positions = jnp.arange(gamma + 1)
     padded_draft = jnp.pad(draft, ((0, 0), (0, 1)))
     tokens = jnp.where(positions[None, :] == n_accepted[:, None], last[:, None], padded_draft)
-    return _truncate(tokens.astype(jnp.int32), n_accepted, eos_id, budget)
+    return _truncate(tokens.astype(jnp.int32), n_accepted, stop_ids, budget)
 
 
 def _check_shapes(draft, target, num_draft):
@@ -120,14 +126,14 @@ def _leading_accepted(accepted, num_draft):
     return jnp.sum(jnp.cumprod(accepted & real, axis=1), axis=1).astype(jnp.int32)
 
 
-def _truncate(tokens, n_accepted, eos_id, budget) -> VerifyResult:
-    """Cut the run tokens[:, :n_accepted+1] at the first EOS (kept) and at `budget`."""
+def _truncate(tokens, n_accepted, stop_ids, budget) -> VerifyResult:
+    """Cut the run tokens[:, :n_accepted+1] at the first stop token (kept) and at `budget`."""
     n_emit = n_accepted + 1
     positions = jnp.arange(tokens.shape[1])[None, :]
-    if eos_id is not None:
-        is_eos = (tokens == eos_id) & (positions < n_emit[:, None])
-        first_eos = jnp.argmax(is_eos, axis=1)
-        n_emit = jnp.where(is_eos.any(axis=1), first_eos + 1, n_emit)
+    if stop_ids:
+        is_stop = jnp.isin(tokens, jnp.asarray(tuple(stop_ids), jnp.int32)) & (positions < n_emit[:, None])
+        first_stop = jnp.argmax(is_stop, axis=1)
+        n_emit = jnp.where(is_stop.any(axis=1), first_stop + 1, n_emit)
     if budget is not None:
         n_emit = jnp.minimum(n_emit, jnp.maximum(jnp.asarray(budget, jnp.int32), 1))
     tokens = jnp.where(positions < n_emit[:, None], tokens, 0)
@@ -146,16 +152,6 @@ def _draft_law_at(draft, draft_probs, index, like):
         rejected = jnp.take_along_axis(draft, index[:, None], axis=1)[:, 0]
         return jax.nn.one_hot(rejected, like.shape[-1], dtype=like.dtype)
     return _take_position(draft_probs, index)
-
-
-def _row_keys(key, batch):
-    if not isinstance(key, jax.Array) or not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        raise ValueError("key must be a typed PRNG key (jax.random.key), not a raw uint32 key")
-    if key.shape == ():
-        return jax.random.split(key, batch)
-    if key.shape != (batch,):
-        raise ValueError(f"key must be one key or per-row keys of shape ({batch},), got {key.shape}")
-    return key
 
 
 def _take_token(probs, tokens):

@@ -109,15 +109,22 @@ def reference():
 @dataclasses.dataclass
 class HandRun:
     spec: engine.EngineSpec
-    target_params: dict
-    drafter_params: object
+    params: engine.EngineParams
     state: engine.DecodeState
     num_rows: int
 
+    @property
+    def target_params(self):
+        return self.params.target
+
+    @property
+    def drafter_params(self):
+        return self.params.drafter
+
     def round(self) -> engine.DecodeState:
         """One draft step then one verify step; returns the state after the draft step."""
-        drafted = engine.draft_step(self.spec, self.drafter_params, self.state)
-        self.state = engine.verify_step(self.spec, self.target_params, drafted)
+        drafted = engine.draft_step(self.spec, self.params, self.state)
+        self.state = engine.verify_step(self.spec, self.params, drafted)
         return drafted
 
     def outputs(self) -> tuple[list[list[int]], list[str]]:
@@ -143,7 +150,7 @@ def prepare(
     """The state `generate` builds before its loop (`engine.prepare`), for hand-driven rounds."""
     run = engine.prepare(target(), prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens,
                          eos_id=eos, seed=seed, capacity=capacity)
-    return HandRun(run.spec, run.params, run.drafter_params, run.state, run.num_rows)
+    return HandRun(run.spec, run.params, run.state, run.num_rows)
 
 
 # ----------------------------------------------------------------------------

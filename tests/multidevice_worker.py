@@ -70,11 +70,11 @@ def run(mesh_text: str, names: list[str], target, draft) -> dict:
         result = engine.generate(target, prompts(), drafter, **kwargs)
         out[name] = {"tokens": result.tokens, "stop_reasons": result.stop_reasons}
     run = engine.prepare(target, prompts(), NgramDrafter(), gamma=3, max_new_tokens=MAX_NEW, mesh=mesh)
-    after = engine.run_loop(run.spec, run.params, run.drafter_params, run.state)
+    after = engine.run_loop(run.spec, run.params, run.state)
     out["shardings"] = {
         "cache_before": specs(run.state.cache.k), "cache_after": specs(after.cache.k),
         "tokens_before": specs(run.state.tokens), "tokens_after": specs(after.tokens),
-        "wq": specs(run.params["wq"]), "wo": specs(run.params["wo"]),
+        "wq": specs(run.params.target["wq"]), "wo": specs(run.params.target["wo"]),
     }
     return out
 

@@ -219,7 +219,7 @@ def test_reduced_vocab_draft_proposes_only_its_ids_and_q_is_zero_elsewhere():
     arrays["vocab_map"] = keep
     drafter = ModelDrafter(cfg, Llama.from_arrays(cfg, arrays).params())
     run = H.prepare(H.RAGGED, drafter, gamma=3, sampling=SamplingParams(temperature=1.0))
-    proposal = engine.draft_step(run.spec, run.drafter_params, run.state).proposal
+    proposal = engine.draft_step(run.spec, run.params, run.state).proposal
     assert np.isin(np.asarray(proposal.drafts), keep).all()
     probs = np.asarray(proposal.probs)
     assert probs.shape[-1] == base.config.vocab_size

@@ -12,10 +12,13 @@ import pytest
 
 import engine_helpers as H
 from specdec_jax import engine
+from specdec_jax import rng
 from specdec_jax.drafters import DraftContext, NgramDrafter
+from specdec_jax.drafters.base import PrefillContext
 from specdec_jax.sampling import RowSampling, SamplingParams
 
 BUF = 24  # token buffer width of the hand-made contexts
+MAX_GAMMA = 8  # keys the hand-made contexts carry (one per draft position)
 
 
 def context(rows, sampling=SamplingParams(), width=BUF, junk=None):
@@ -25,10 +28,14 @@ def context(rows, sampling=SamplingParams(), width=BUF, junk=None):
         tokens[b, : len(row)] = row
         if junk is not None and junk[b]:
             tokens[b, len(row) :] = np.resize(np.asarray(junk[b], np.int32), width - len(row))
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(len(rows)))
+    lens = jnp.asarray([len(r) for r in rows], jnp.int32)
+    batch = len(rows)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    keys = rng.position_keys(jax.random.key(0), jnp.arange(batch), lens[:, None] + jnp.arange(MAX_GAMMA)[None, :])
     return DraftContext(
-        jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32), keys,
-        RowSampling.from_params(sampling, len(rows)),
+        tokens=jnp.asarray(tokens), num_tokens=lens, prompt_lens=lens, room=jnp.full((batch,), width, jnp.int32),
+        last_emit=zeros, last_accepted=zeros, features=None, keys=keys,
+        sampling=RowSampling.from_params(sampling, batch), target_params=None, target=H.target().as_target()[0],
     )
 
 
@@ -151,8 +158,9 @@ def test_ngram_bad_settings_raise(kwargs, message):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _model_propose(drafter, gamma, params, prompts, prompt_lens, ctx):
-    cache = drafter.init(params, prompts, prompt_lens, BUF + 8)
-    proposal, _ = drafter.propose(params, cache, ctx, gamma)
+    prefill = PrefillContext(prompts=prompts, prompt_lens=prompt_lens, features=None, target_params=None,
+                             capacity=BUF + 8, target=ctx.target)
+    proposal, _ = drafter.propose(params, drafter.init(params, prefill), ctx, gamma)
     return proposal
 
 
@@ -214,7 +222,7 @@ def test_all_accepted_trap_oracle_alpha_one():
                 assert after.stop_reason[b] == engine.EOS and int(prop.drafts[b, n_emit - 1]) == eos
         # The oracle's cache below its trusted length equals a fresh prefill (it is the target's config).
         committed = np.where(np.arange(capacity)[None] < after.num_tokens[:, None], after.tokens[:, :capacity], 0)
-        k_ref, v_ref = H.rebuild_cache(hist.run.spec.drafter.config, hist.run.drafter_params, committed, capacity)
+        k_ref, v_ref = H.rebuild_cache(hist.run.spec.drafter.config, hist.run.params.drafter, committed, capacity)
         for b in range(hist.run.num_rows):
             trusted = max(int(after.num_tokens[b]) - 2, 0)
             np.testing.assert_allclose(after.drafter_state.stacked()[0][:, b, :trusted], k_ref[:, b, :trusted], atol=1e-5)

@@ -25,7 +25,8 @@ from specdec_jax.models import (
     random_llama,
     split_model,
 )
-from specdec_jax.models.llama import linear
+from specdec_jax.models.llama import apply, linear
+from specdec_jax.target import FINAL_NORM
 
 CFG = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -52,6 +53,12 @@ def run(cfg, params, tokens, cache, **kw):
 
 def reference_logits(cfg: LlamaConfig, params, tokens) -> np.ndarray:
     """float64 numpy forward of one row ``tokens: [S]``, no cache, causal mask -> ``[S,V]``."""
+    return reference_pass(cfg, params, tokens)[0]
+
+
+def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
+    """``(logits [S,V], hidden)`` of one row, float64 numpy, no cache, causal; ``hidden[l]`` is the
+    residual stream ``[S,H]`` after layer ``l`` and ``hidden[-1]`` the final-norm output."""
     p = {name: np.asarray(a, np.float64) for name, a in params.items()}
     steps, dim = len(tokens), cfg.head_dim
 
@@ -69,6 +76,7 @@ def reference_logits(cfg: LlamaConfig, params, tokens) -> np.ndarray:
     group = cfg.num_heads // cfg.num_kv_heads
     causal = np.tril(np.ones((steps, steps), bool))
     x = p["embed"][np.asarray(tokens)]
+    hidden = {}
     for l in range(cfg.num_layers):
         h = norm(x, p["attn_norm"][l])
         q = rope((h @ p["wq"][l]).reshape(steps, cfg.num_heads, dim))
@@ -83,8 +91,10 @@ def reference_logits(cfg: LlamaConfig, params, tokens) -> np.ndarray:
         h = norm(x, p["mlp_norm"][l])
         gate = h @ p["w_gate"][l]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w_up"][l])) @ p["w_down"][l]
+        hidden[l] = x
     head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
-    return norm(x, p["final_norm"]) @ head
+    hidden[-1] = norm(x, p["final_norm"])
+    return hidden[-1] @ head, hidden
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +316,78 @@ def test_byte_tokenizer():
     assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == "héllo"
     assert tok.decode([0xFF]) == "\ufffd"
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258)
+
+
+# ----------------------------------------------------------------------------
+# The target pass with explicit positions, block masks and hidden states (specdec_jax.target)
+
+PREFIX = 5  # committed tokens before the block
+# A token tree of 6 nodes after t0 (node 0): parent of node i (DESIGN section 10); depth = hops to node 0
+TREE_PARENTS = [-1, 0, 0, 1, 1, 3]
+
+
+def tree_mask_and_depth(parents):
+    """(bool[N,N] ancestor-or-self mask, i32[N] depth) of a parent list (-1: the root)."""
+    n = len(parents)
+    mask, depth = np.zeros((n, n), bool), np.zeros(n, np.int32)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+        depth[i] = mask[i].sum() - 1
+    return mask, depth
+
+
+def path_to(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def test_tree_block_matches_each_path_run_as_a_chain(params):
+    """Nodes of a token tree, verified in one pass (positions = lengths + depth, ancestor-or-self
+    mask), give the logits the numpy reference gives for prefix + that node's root path."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, CFG.vocab_size, (B, PREFIX))
+    nodes = rng.integers(0, CFG.vocab_size, (B, len(TREE_PARENTS)))
+    mask, depth = tree_mask_and_depth(TREE_PARENTS)
+    _, cache = run(CFG, params, prefix, CFG.init_cache(B, T), compute_logits=False)
+    cache = cache.with_lengths(jnp.full((B,), PREFIX, jnp.int32))
+    positions = PREFIX + np.broadcast_to(depth, nodes.shape)
+    apply_fn = jax.jit(functools.partial(apply, CFG))
+    logits, hidden, out = apply_fn(params, jnp.asarray(nodes, jnp.int32), cache, jnp.asarray(positions),
+                                   jnp.asarray(np.broadcast_to(mask, (B,) + mask.shape)))
+    assert hidden is None and np.asarray(out.lengths).tolist() == [PREFIX] * B
+    for b in range(B):
+        for i in range(len(TREE_PARENTS)):
+            chain = np.concatenate([prefix[b], nodes[b, path_to(TREE_PARENTS, i)]])
+            np.testing.assert_allclose(logits[b, i], reference_logits(CFG, params, chain)[-1], **TOL)
+
+
+def test_a_causal_block_mask_equals_no_mask(params, tokens, full_logits):
+    causal = jnp.asarray(np.broadcast_to(np.tril(np.ones((S, S), bool)), (B, S, S)))
+    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
+    logits, _, _ = jax.jit(functools.partial(apply, CFG))(params, jnp.asarray(tokens), CFG.init_cache(B, T),
+                                                          positions, causal)
+    np.testing.assert_allclose(logits, full_logits, **TOL)
+
+
+def test_hidden_layers_match_the_reference(params, tokens):
+    """hidden_layers (0, last, FINAL_NORM) are the reference's residual streams and final norm, in that order."""
+    layers = (0, CFG.num_layers - 1, FINAL_NORM)
+    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
+    apply_fn = jax.jit(functools.partial(apply, CFG), static_argnames=("hidden_layers", "compute_logits"))
+    logits, hidden, _ = apply_fn(params, jnp.asarray(tokens), CFG.init_cache(B, T), positions, None, layers)
+    assert hidden.shape == (len(layers), B, S, CFG.hidden_size)
+    _, prefill_hidden, _ = apply_fn(params, jnp.asarray(tokens), CFG.init_cache(B, T), positions, None, layers,
+                                    compute_logits=False)
+    np.testing.assert_array_equal(prefill_hidden, hidden)  # the LM head is not needed for features
+    for b in range(B):
+        _, expected = reference_pass(CFG, params, tokens[b])
+        for index, layer in enumerate(layers):
+            np.testing.assert_allclose(hidden[index, b], expected[layer], **TOL)
+    with pytest.raises(ValueError, match="hidden layer 2"):
+        apply(CFG, params, jnp.asarray(tokens), CFG.init_cache(B, T), positions, None, (CFG.num_layers,))

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec_jax.sampling import (
+    PenaltyCounts,
     RowSampling,
     SamplingParams,
-    position_counts,
     process_logits,
     sample,
     token_counts,
@@ -25,7 +25,6 @@ V = 50
 process_jit = jax.jit(process_logits)
 sample_jit = jax.jit(sample)
 token_counts_jit = jax.jit(token_counts, static_argnums=2)
-position_counts_jit = jax.jit(position_counts)
 
 
 def random_logits(seed, shape=(2, 3, V), scale=3.0):
@@ -44,15 +43,18 @@ def softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def np_penalize(logits, counts, params):
-    """HF/CTRL penalties on one logit vector, one token at a time."""
+def np_penalize(logits, context, generated, params):
+    """Penalties on one logit vector, one token at a time: the HF/CTRL repetition penalty over
+    the whole context's counts, the OpenAI/vLLM presence and frequency penalties over the
+    generated tokens' counts."""
     out = np.array(logits, np.float64)
     for v in range(out.shape[-1]):
-        if counts[v] > 0:
+        if context[v] > 0:
             rp = params.repetition_penalty
             out[v] = out[v] / rp if out[v] > 0 else out[v] * rp
+        if generated[v] > 0:
             out[v] -= params.presence_penalty
-        out[v] -= params.frequency_penalty * counts[v]
+        out[v] -= params.frequency_penalty * generated[v]
     return out
 
 
@@ -238,7 +240,8 @@ def test_masked_entries_are_exactly_zero_and_laws_sum_to_one():
 
 def test_mixed_batch_rows_match_alone():
     logits = random_logits(9, (4, 3, V))
-    counts = np.random.default_rng(9).poisson(0.3, size=(4, 3, V)).astype(np.float32)
+    context = np.random.default_rng(9).poisson(0.3, size=(4, 3, V)).astype(np.float32)
+    counts = PenaltyCounts(context, context)
     params = [
         SamplingParams(),
         SamplingParams(temperature=0.7),
@@ -249,7 +252,7 @@ def test_mixed_batch_rows_match_alone():
     for b, p in enumerate(params):
         # Alone: a batch of 2 copies of row b (the default shape, so these
         # compiles are shared with the tests above).
-        alone_counts = np.repeat(counts[b : b + 1], 2, 0) if p.has_penalties else None
+        alone_counts = PenaltyCounts(*[np.repeat(c[b : b + 1], 2, 0) for c in counts]) if p.has_penalties else None
         alone = run(np.repeat(logits[b : b + 1], 2, 0), p, alone_counts)
         np.testing.assert_allclose(together[b], alone[0], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(together[0], np.eye(V)[logits[0].argmax(-1)])
@@ -270,9 +273,12 @@ def test_token_counts_match_bincount():
     tokens = rng.integers(0, V, size=(4, 30)).astype(np.int32)
     tokens[3, 20:] = -1  # padding may hold anything
     length = np.array([30, 0, 7, 20], np.int32)
+    start = np.array([5, 0, 7, 19], np.int32)
     counts = np.asarray(token_counts_jit(jnp.asarray(tokens), jnp.asarray(length), V))
+    spans = np.asarray(token_counts_jit(jnp.asarray(tokens), jnp.asarray(length), V, jnp.asarray(start)))
     for b in range(4):
         np.testing.assert_array_equal(counts[b], np.bincount(tokens[b, : length[b]], minlength=V))
+        np.testing.assert_array_equal(spans[b], np.bincount(tokens[b, start[b] : length[b]], minlength=V))
 
 
 @pytest.mark.parametrize(
@@ -294,18 +300,22 @@ def test_penalties_with_position_counts_match_reference(params):
     logits = rng.normal(scale=2.0, size=(batch, gamma + 1, small_vocab)).astype(np.float32)
     history = rng.integers(0, small_vocab, size=(batch, hist_len)).astype(np.int32)
     length = np.array([12, 5, 1], np.int32)
+    prompt_len = np.array([7, 5, 1], np.int32)  # row 1 and 2: nothing generated yet
     drafts = rng.integers(0, small_vocab, size=(batch, gamma)).astype(np.int32)
 
-    hist = token_counts_jit(jnp.asarray(history), jnp.asarray(length), small_vocab)
-    counts = position_counts_jit(hist, jnp.asarray(drafts))
+    hist = jax.jit(PenaltyCounts.of_history, static_argnums=3)(
+        jnp.asarray(history), jnp.asarray(length), jnp.asarray(prompt_len), small_vocab)
+    counts = jax.jit(PenaltyCounts.at_positions)(hist, jnp.asarray(drafts))
     probs = run(logits, params, counts)
 
     for b in range(batch):
         for s in range(gamma + 1):
-            context = np.concatenate([history[b, : length[b]], drafts[b, :s]])
-            c = np.bincount(context, minlength=small_vocab)
-            np.testing.assert_array_equal(counts[b, s], c)
-            x = np_penalize(logits[b, s], c, params)
+            context = np.bincount(np.concatenate([history[b, : length[b]], drafts[b, :s]]), minlength=small_vocab)
+            generated = np.bincount(np.concatenate([history[b, prompt_len[b] : length[b]], drafts[b, :s]]),
+                                    minlength=small_vocab)
+            np.testing.assert_array_equal(counts.context[b, s], context)
+            np.testing.assert_array_equal(counts.generated[b, s], generated)
+            x = np_penalize(logits[b, s], context, generated, params)
             if params.is_greedy:
                 expected = np.eye(small_vocab)[x.argmax()]
             else:
@@ -325,7 +335,7 @@ def test_penalties_without_counts_raise():
 def jaxpr_text(params, batch=2):
     rows = RowSampling.from_params(params, batch)
     logits = jnp.zeros((batch, 3, V))
-    counts = jnp.zeros((batch, 3, V))
+    counts = PenaltyCounts(jnp.zeros((batch, 3, V)), jnp.zeros((batch, 3, V)))
     return str(jax.make_jaxpr(jax.jit(process_logits))(logits, rows, counts))
 
 
@@ -374,10 +384,11 @@ def test_property_valid_law_and_argmax_kept(params, seed):
     rows = RowSampling.from_params(params, 2).replace(
         use_top_k=True, use_top_p=True, use_min_p=True, use_penalties=True, any_sampled=True
     )
-    probs = np.asarray(process_jit(jnp.asarray(logits), rows, jnp.asarray(counts)))
+    generated = np.minimum(counts, rng.integers(0, 3, size=shape)).astype(np.float32)  # a part of the context
+    probs = np.asarray(process_jit(jnp.asarray(logits), rows, PenaltyCounts(jnp.asarray(counts), jnp.asarray(generated))))
     assert_valid_law(probs)
     for idx in np.ndindex(shape[:-1]):
-        x = np_penalize(logits[idx], counts[idx], params[idx[0]])
+        x = np_penalize(logits[idx], counts[idx], generated[idx], params[idx[0]])
         assert probs[idx][np.argmax(x.astype(np.float32))] > 0
 
 

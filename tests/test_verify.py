@@ -8,10 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec_jax import verify
+from specdec_jax.rng import position_keys
 
 # Jitted once per shape, as the engine uses them (eager dispatch is slow).
-verify_greedy = jax.jit(verify.verify_greedy, static_argnames="eos_id")
-verify_stochastic = jax.jit(verify.verify_stochastic, static_argnames="eos_id")
+verify_greedy = jax.jit(verify.verify_greedy, static_argnames="stop_ids")
+verify_stochastic = jax.jit(verify.verify_stochastic, static_argnames="stop_ids")
+
+
+def row_keys(seed, rows, width):
+    """key[rows,width]: row r's keys at positions 0..width-1 (independent rows)."""
+    return position_keys(jax.random.key(seed), jnp.arange(rows), jnp.broadcast_to(jnp.arange(width), (rows, width)))
 
 G = 4
 EOS = 99
@@ -23,12 +29,13 @@ def one_hot_laws(argmax, vocab=128):
     return jax.nn.one_hot(jnp.asarray(argmax), vocab)
 
 
-def run_both(draft, target_argmax, num_draft, **kw):
+def run_both(draft, target_argmax, num_draft, eos_id=None, budget=None):
     """Greedy verification, and the stochastic rule on one-hot laws (which must agree)."""
-    greedy = verify_greedy(jnp.asarray(draft), jnp.asarray(target_argmax), jnp.asarray(num_draft), **kw)
-    stoch = verify_stochastic(
-        jax.random.key(0), jnp.asarray(draft), None, one_hot_laws(target_argmax), jnp.asarray(num_draft), **kw
-    )
+    draft, target_argmax = jnp.asarray(draft), jnp.asarray(target_argmax)
+    kw = dict(stop_ids=() if eos_id is None else (eos_id,), budget=budget)
+    greedy = verify_greedy(draft, target_argmax, jnp.asarray(num_draft), **kw)
+    keys = row_keys(0, *target_argmax.shape)
+    stoch = verify_stochastic(keys, draft, None, one_hot_laws(target_argmax), jnp.asarray(num_draft), **kw)
     for field in ("tokens", "n_emit", "n_accepted"):
         np.testing.assert_array_equal(getattr(greedy, field), getattr(stoch, field), err_msg=field)
     return greedy
@@ -45,6 +52,8 @@ SEED_CASES = [
     ("mismatch at position 1 emits only the correction", [0, 12, 13, 14], 4, None, None, [11], 0),
     # Padding equals the target so a rule reading past num_draft would accept it.
     ("2 real drafts both match: bonus from position 3", [11, 12, 13, 14], 2, None, None, [11, 12, 13], 2),
+    # Padding differs from the target: the bonus must still be the target's token at row k.
+    ("2 real drafts, other padding: bonus from position 3", [11, 12, 0, 0], 2, None, None, [11, 12, 13], 2),
     ("zero drafts emit 1", [11, 12, 13, 14], 0, None, None, [11], 0),
     ("EOS inside the accepted run truncates there", [11, EOS, 13, 14], 4, EOS, None, [11, EOS], 4),
     ("EOS as the correction ends the run", [11, 0, 13, 14], 4, 12, None, [11, 12], 1),
@@ -77,7 +86,7 @@ def test_ragged_batch_rows_equal_solo_rows():
 
 
 def test_traced_counts_and_budget():
-    out = verify_greedy(jnp.array([[11, 12, 0, 14]]), jnp.array([A]), jnp.array([4]), eos_id=None, budget=jnp.array([5]))
+    out = verify_greedy(jnp.array([[11, 12, 0, 14]]), jnp.array([A]), jnp.array([4]), budget=jnp.array([5]))
     assert emitted(out) == [11, 12, 13]
 
 
@@ -139,17 +148,20 @@ def test_rejects_bad_shapes_and_raw_keys():
         verify.verify_greedy(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="num_draft"):
         verify.verify_greedy(jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32), jnp.zeros(3, jnp.int32))
-    with pytest.raises(ValueError, match="typed PRNG key"):
+    with pytest.raises(ValueError, match="typed PRNG keys"):
         verify.verify_stochastic(
             jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32), None, jnp.ones((1, 2, 3)) / 3, jnp.ones(1, jnp.int32)
+        )
+    with pytest.raises(ValueError, match=r"shape \(1, 2\)"):  # one key per row and verified position
+        verify.verify_stochastic(
+            jax.random.key(0)[None], jnp.zeros((1, 1), jnp.int32), None, jnp.ones((1, 2, 3)) / 3, jnp.ones(1, jnp.int32)
         )
 
 
 def test_draft_with_zero_draft_probability_is_rejected():
     p = jnp.array([[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]])  # target would accept token 1 surely
     q = jnp.array([[[1.0, 0.0, 0.0]]])  # but the drafter could not have proposed it
-    keys = jax.random.split(jax.random.key(1), 64)
-    out = verify_stochastic(keys, jnp.ones((64, 1), jnp.int32), jnp.tile(q, (64, 1, 1)), jnp.tile(p, (64, 1, 1)), jnp.ones(64, jnp.int32))
+    out = verify_stochastic(row_keys(1, 64, 2), jnp.ones((64, 1), jnp.int32), jnp.tile(q, (64, 1, 1)), jnp.tile(p, (64, 1, 1)), jnp.ones(64, jnp.int32))
     assert np.all(np.asarray(out.n_accepted) == 0)
 
 
@@ -157,7 +169,7 @@ def test_draft_with_zero_target_probability_is_never_accepted():
     """u is never 0, so p(d) = 0 cannot pass u * q < p."""
     n = 20000
     p = jnp.broadcast_to(jnp.array([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]]), (n, 2, 3))
-    out = verify_stochastic(jax.random.key(2), jnp.zeros((n, 1), jnp.int32), None, p, jnp.ones(n, jnp.int32))
+    out = verify_stochastic(row_keys(2, n, 2), jnp.zeros((n, 1), jnp.int32), None, p, jnp.ones(n, jnp.int32))
     assert np.all(np.asarray(out.n_accepted) == 0)
     assert np.all(np.asarray(out.tokens[:, 0]) != 0)
 
@@ -168,7 +180,7 @@ def test_all_zero_residual_falls_back_to_target_law():
     law = jnp.array([0.0, 0.0, 0.25, 0.75])
     p = jnp.broadcast_to(jnp.stack([law, law]), (n, 2, 4))
     q = jnp.broadcast_to(law, (n, 1, 4))
-    out = verify_stochastic(jax.random.key(3), jnp.ones((n, 1), jnp.int32), q, p, jnp.ones(n, jnp.int32))
+    out = verify_stochastic(row_keys(3, n, 2), jnp.ones((n, 1), jnp.int32), q, p, jnp.ones(n, jnp.int32))
     first = np.asarray(out.tokens[:, 0])
     assert np.all(np.asarray(out.n_accepted) == 0)
     assert set(np.unique(first)) == {2, 3}
@@ -180,7 +192,7 @@ def test_per_row_keys_make_rows_independent_of_neighbours():
     p = jnp.asarray(rng.dirichlet(np.ones(6), size=(3, 4)), jnp.float32)
     q = jnp.asarray(rng.dirichlet(np.ones(6), size=(3, 3)), jnp.float32)
     draft = jnp.asarray(rng.integers(0, 6, size=(3, 3)), jnp.int32)
-    keys = jax.random.split(jax.random.key(4), 3)
+    keys = row_keys(4, 3, 4)
     batch = verify_stochastic(keys, draft, q, p, jnp.array([3, 1, 2]))
     solo = verify_stochastic(keys[1:2], draft[1:2], q[1:2], p[1:2], jnp.array([1]))
     assert emitted(batch, 1) == emitted(solo)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from specdec_jax.rng import position_keys
 from specdec_jax.verify import verify_stochastic
 
 N = 200_000
@@ -24,6 +25,11 @@ CHI2_SIGNIFICANCE = 1e-4
 Z_BOUND = 4.5
 
 verify = jax.jit(verify_stochastic)
+
+
+def row_keys(seed, rows, width):
+    """key[rows,width]: row r's keys at positions 0..width-1 (independent rows)."""
+    return position_keys(jax.random.key(seed), jnp.arange(rows), jnp.broadcast_to(jnp.arange(width), (rows, width)))
 
 
 def assert_follows(samples, law, what):
@@ -76,7 +82,7 @@ def simulate(p, q, num_draft, seed, point_mass_drafts=None):
         draft = np.broadcast_to(np.asarray(point_mass_drafts), (N, G))
         draft_probs = None
     out = verify(
-        jax.random.key(seed),
+        row_keys(seed, N, G + 1),
         jnp.asarray(draft, jnp.int32),
         draft_probs,
         jnp.broadcast_to(jnp.asarray(p), (N, G + 1, V)),

@@ -1,4 +1,4 @@
-"""The drafter protocol (DESIGN section 5).
+"""The drafter protocol (DESIGN sections 5 and 9).
 
 A drafter is a frozen, hashable dataclass (it is a static argument of the
 jitted round) whose arrays live in `params`, a field left out of hashing and
@@ -6,8 +6,21 @@ equality. Its methods are pure functions of explicit arguments and must read
 weights from the `params` argument, never from `self.params`, so weights enter
 the compiled program as inputs rather than as constants:
 
-    init(params, prompts i32[B,P], prompt_lens i32[B], capacity) -> state
+    params                                   the drafter's weights (a pytree, or None)
+    reads_hidden: tuple[int, ...]            target hidden states it reads (`specdec_jax.target`
+                                             layer indices, FINAL_NORM = -1); () reads none
+    check(target: TargetModel, mesh | None)  ValueError unless it can draft for this target
+                                             (vocabulary, widths, mesh axes)
+    init(params, prefill: PrefillContext) -> state
     propose(params, state, ctx: DraftContext, gamma) -> (Proposal, state)
+    commit(params, state, outcome: RoundOutcome) -> state
+
+The engine keeps the target's hidden states only for the layers a drafter
+declares in `reads_hidden`, and hands them over twice: those of the prompt to
+`init`, and each round those of the tokens the last verify pass committed in
+`DraftContext.features`. `commit` runs after every verification (the drafter
+can update its own caches from what was accepted). `DrafterBase` supplies the
+defaults: no hidden states, no checks, `commit` leaves the state unchanged.
 
 A drafter keeps no committed length of its own: `ctx.num_tokens` says what is
 committed, so rejected drafts are rolled back for free (DESIGN section 2).
@@ -21,11 +34,7 @@ import flax.struct
 import jax
 
 from specdec_jax.sampling import RowSampling
-
-# fold_in tags under a row's per-round key (engine.row_keys), one per use.
-DRAFT_TAG = 0
-VERIFY_TAG = 1
-CORRUPT_TAG = 2
+from specdec_jax.target import TargetModel
 
 
 class Proposal(NamedTuple):
@@ -35,19 +44,74 @@ class Proposal(NamedTuple):
 
 
 @flax.struct.dataclass
+class PrefillContext:
+    """What a drafter's `init` may read: the prompts and the target's view of them."""
+
+    prompts: jax.Array  # i32[B,P] prompts, left-aligned, padded past prompt_lens
+    prompt_lens: jax.Array  # i32[B]
+    features: jax.Array | None  # f32[B,P,k,H] target hidden states of reads_hidden at each prompt token; None if ()
+    target_params: Any  # the target's weights (e.g. its embedding, for heads that share it)
+    capacity: int = flax.struct.field(pytree_node=False)  # T, KV slots per row
+    target: TargetModel = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
 class DraftContext:
-    """What a drafter may read about the committed sequences of a round."""
+    """What a drafter may read in a round, before the verify pass.
+
+    Row b has `num_tokens[b]` committed tokens; the newest, t0 =
+    `tokens[b, num_tokens[b] - 1]`, is not yet in the target's cache. Draft i+1
+    would sit at absolute position `num_tokens[b] + i`, whose key is `keys[b, i]`.
+    """
 
     tokens: jax.Array  # i32[B,Tbuf] committed tokens (prompt, then generated), junk past num_tokens
     num_tokens: jax.Array  # i32[B] committed count; tokens[b, num_tokens[b]-1] is t0
-    row_keys: jax.Array  # key[B] this round's per-row keys (fold in DRAFT_TAG / CORRUPT_TAG)
+    prompt_lens: jax.Array  # i32[B] tokens[b, :prompt_lens[b]] is the prompt
+    room: jax.Array  # i32[B] most drafts the engine keeps (budget and capacity; 0 for finished rows)
+    last_emit: jax.Array  # i32[B] tokens the last round emitted (0 before the first round)
+    last_accepted: jax.Array  # i32[B] drafts the last round accepted
+    # f32[B,G+1,k,H] or None: the target hidden states (reads_hidden) of the last verify pass's
+    # inputs [t0, d1, ...]; entry j < last_emit[b] is the committed token at index
+    # num_tokens[b] - 1 - last_emit[b] + j (every committed token but t0 has its features then)
+    features: jax.Array | None
+    keys: jax.Array  # key[B,G] keys[b, i]: the key of position num_tokens[b] + i (fold in a rng.Purpose)
     sampling: RowSampling  # per-row sampling settings (the drafter's q uses the same transforms)
+    target_params: Any  # the target's weights
+    target: TargetModel = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class RoundOutcome:
+    """What verification decided this round, handed to `Drafter.commit`."""
+
+    n_emit: jax.Array  # i32[B] tokens emitted (0 for finished rows)
+    n_accepted: jax.Array  # i32[B] drafts accepted (before stop-token / budget truncation)
+    num_tokens: jax.Array  # i32[B] committed count after the round
+    features: jax.Array | None  # f32[B,G+1,k,H] hidden states of this round's inputs (as DraftContext.features)
 
 
 class Drafter(Protocol):
     name: str
     params: Any
+    reads_hidden: tuple[int, ...]
 
-    def init(self, params, prompts: jax.Array, prompt_lens: jax.Array, capacity: int) -> Any: ...
+    def check(self, target: TargetModel, mesh) -> None: ...
+
+    def init(self, params, prefill: PrefillContext) -> Any: ...
 
     def propose(self, params, state, ctx: DraftContext, gamma: int) -> tuple[Proposal, Any]: ...
+
+    def commit(self, params, state, outcome: RoundOutcome) -> Any: ...
+
+
+class DrafterBase:
+    """Defaults of the optional parts of the protocol (mix into a frozen dataclass)."""
+
+    reads_hidden: tuple[int, ...] = ()
+
+    def check(self, target: TargetModel, mesh) -> None:
+        """Nothing to check."""
+
+    def commit(self, params, state, outcome: RoundOutcome):
+        """The state is unchanged."""
+        return state

@@ -26,13 +26,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafters.base import CORRUPT_TAG, DRAFT_TAG, DraftContext, Proposal
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.models.llama import LlamaConfig, forward
-from specdec_jax.sampling import RowSampling, process_logits, token_counts
+from specdec_jax.rng import Purpose, for_purpose
+from specdec_jax.sampling import PenaltyCounts, RowSampling, process_logits
+from specdec_jax.sharding import check_model_axis
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """Draft with a (smaller) Llama of the target's tokenizer.
 
     config: the draft model's architecture. params: its weights (not hashed).
@@ -46,9 +48,16 @@ class ModelDrafter:
     corrupt_alpha: float | None = None
     name: str = "draft-model"
 
-    def init(self, params, prompts, prompt_lens, capacity):
-        cache = self.config.init_cache(prompts.shape[0], capacity)
-        _, cache = forward(self.config, params, prompts, cache, compute_logits=False)
+    def check(self, target, mesh) -> None:
+        if self.config.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.config.vocab_size}) differs from the "
+                             f"target's ({target.vocab_size})")
+        if mesh is not None:
+            check_model_axis(mesh, self.config, "the draft model")
+
+    def init(self, params, prefill: PrefillContext):
+        cache = self.config.init_cache(prefill.prompts.shape[0], prefill.capacity)
+        _, cache = forward(self.config, params, prefill.prompts, cache, compute_logits=False)
         return cache
 
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
@@ -58,21 +67,21 @@ class ModelDrafter:
         logits, cache = forward(self.config, params, window, cache.with_lengths(start))
         logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo]
         vocab_map = params.get("vocab_map")  # i32[Vo] target id of each logit; None: Vo = V, the identity
-        counts = _history_counts(ctx, self.config.vocab_size)
-        if counts is not None and vocab_map is not None:
-            counts = counts[:, vocab_map]
+        counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
+        if ctx.sampling.use_penalties:
+            counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, self.config.vocab_size)
+            counts = counts if vocab_map is None else counts.take(vocab_map)
         keep_probs = ctx.sampling.any_sampled and self.corrupt_alpha is None
 
         def pick(logits, counts, step):
             law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
-            keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, DRAFT_TAG), step))(ctx.row_keys)
-            index = _draw(keys, law, ctx.sampling)  # i32[B] into the draft's Vo ids
+            keys = ctx.keys[:, step]  # key[B] of this draft's position
+            index = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the draft's Vo ids
             token = index if vocab_map is None else vocab_map[index]
             if self.corrupt_alpha is not None:
                 token = _corrupt(keys, token, self.corrupt_alpha, self.config.vocab_size)
             if counts is not None:  # counts are over the draft's ids
-                seen = token if vocab_map is None else index
-                counts = counts.at[jnp.arange(token.shape[0]), seen].add(1.0)
+                counts = counts.add(index)
             return token, (law if keep_probs else None), counts
 
         def step(carry, index):
@@ -103,13 +112,6 @@ def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> M
     return ModelDrafter(target_config, target_params, corrupt_alpha=float(alpha), name="oracle")
 
 
-def _history_counts(ctx: DraftContext, vocab: int):
-    """f32[B,V] token counts of the committed sequence, or None without penalties."""
-    if not ctx.sampling.use_penalties:
-        return None
-    return token_counts(ctx.tokens, ctx.num_tokens, vocab)
-
-
 def _draw(keys, law, sampling: RowSampling):
     """i32[B]: argmax for greedy rows, a draw from `law` f32[B,V] for sampled rows."""
     greedy = jnp.argmax(law, axis=-1)
@@ -121,7 +123,6 @@ def _draw(keys, law, sampling: RowSampling):
 
 def _corrupt(keys, token, alpha: float, vocab: int):
     """Keep each token with probability alpha, else replace it by a uniformly wrong one."""
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, CORRUPT_TAG))(keys)
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(keys)
-    offset = jax.vmap(lambda k: jax.random.randint(jax.random.fold_in(k, 1), (), 1, vocab))(keys)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(for_purpose(keys, Purpose.CORRUPT_KEEP))
+    offset = jax.vmap(lambda k: jax.random.randint(k, (), 1, vocab))(for_purpose(keys, Purpose.CORRUPT_TOKEN))
     return jnp.where(keep, token, (token + offset) % vocab).astype(jnp.int32)

@@ -15,11 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafters.base import DraftContext, Proposal
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """N-gram prompt-lookup drafter (deterministic: q is a point mass).
 
     max_n, min_n: suffix lengths tried, longest first.
@@ -42,7 +42,7 @@ class NgramDrafter:
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 or None, got {self.window}")
 
-    def init(self, params, prompts, prompt_lens, capacity):
+    def init(self, params, prefill: PrefillContext):
         return None
 
     def propose(self, params, state, ctx: DraftContext, gamma: int):

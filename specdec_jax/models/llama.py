@@ -32,10 +32,14 @@ arrays (``params["wq"][i]: [H, N*D]``), not stacked: XLA CPU copies a slice of a
 stacked array before every matmul, which tripled the cost of a decode step.
 :func:`forward` accepts either form (it indexes ``params[name][i]``).
 
-Cache semantics (DESIGN section 3): input token ``s`` of row ``b`` sits at slot and
-RoPE position ``cache.lengths[b] + s``; its keys/values are written there (slots
-``>= T`` are dropped, so the caller must size ``T``); query ``(b, s)`` sees key slot
-``j`` iff ``j <= lengths[b] + s``. ``lengths`` is returned unchanged.
+Cache semantics (DESIGN sections 3 and 9): :func:`apply` is the target pass of
+``specdec_jax.target``: input token ``s`` of row ``b`` is written at slot
+``cache.lengths[b] + s`` (slots ``>= T`` are dropped, so the caller must size
+``T``), rotated by ``positions[b, s]``, and query ``(b, s)`` sees the committed
+slots ``< lengths[b]`` and the block slots its ``block_mask`` row allows (None:
+causal). :func:`forward` is the chain special case (positions ``lengths + s``,
+causal) that drafters and references use. ``lengths`` is returned unchanged.
+:class:`LlamaTarget` wraps the config as the engine's ``TargetModel``.
 
 Matrix products run in the weights' dtype (float32 by default); RMSNorm, softmax
 and logits are computed in float32.
@@ -54,6 +58,8 @@ import numpy as np
 from flax import nnx
 
 from specdec_jax.kv_cache import KVCache
+from specdec_jax.sharding import check_model_axis
+from specdec_jax.target import FINAL_NORM, chain_positions
 
 Params = dict[str, jax.Array | tuple[jax.Array, ...]]
 
@@ -80,6 +86,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     output_vocab_size: int | None = None  # logits over this many ids (`vocab_map`); None: all vocab_size
+    max_positions: int | None = None  # trained context length (GGUF/HF metadata); None: unknown, no limit
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -92,6 +99,8 @@ class LlamaConfig:
                 f"({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.max_positions is not None and self.max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1 or None, got {self.max_positions}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
         if self.output_vocab_size is not None:
@@ -174,18 +183,32 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+def visibility(lengths: jax.Array, steps: int, slots: int, block_mask: jax.Array | None) -> jax.Array:
+    """bool[B,S,W]: query ``(b, s)`` of a block written at ``lengths[b] + s`` sees slot ``j``.
+
+    It sees the committed slots ``j < lengths[b]`` and in-block slot ``lengths[b] + i``
+    iff ``block_mask[b, s, i]`` (``None``: causal, ``i <= s``, which is ``j <= lengths[b] + s``).
+    """
+    slot = jnp.arange(slots)[None, None, :]  # i32[1,1,W]
+    if block_mask is None:
+        return slot <= lengths[:, None, None] + jnp.arange(steps)[None, :, None]
+    offset = slot - lengths[:, None, None]  # i32[B,1,W] slot index inside the block
+    in_block = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(offset, 0, steps - 1),
+                                                                (lengths.shape[0], steps, slots)), axis=2)
+    return (offset < 0) | ((offset < steps) & in_block)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
     """Grouped-query attention of the block over cache slots.
 
     ``q: [B,S,N,D]``, ``k: [B,K,W,D]``, ``v: [B,K,D,W]`` (slots ``0..W-1``; the
-    cache layout, in which both products contract the minor axis), ``positions: i32[B,S]``.
-    Query ``(b, s)`` sees slot ``j`` iff ``j <= positions[b, s]``. Returns ``[B,S,N,D]``.
+    cache layout, in which both products contract the minor axis), ``visible:
+    bool[B,S,W]`` (:func:`visibility`). Returns ``[B,S,N,D]``.
     """
     batch, steps, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-    visible = jnp.arange(k.shape[2])[None, None, :] <= positions[:, :, None]  # bool[B,S,W]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,bkdt->bskgd", probs, v)
@@ -212,6 +235,64 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.stack([flat[i] @ w for i in range(rows)]).reshape(*x.shape[:-1], w.shape[-1])
 
 
+def apply(
+    cfg: LlamaConfig,
+    params: Mapping[str, jax.Array],
+    tokens: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    block_mask: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
+    *,
+    compute_logits: bool = True,
+) -> tuple[jax.Array | None, jax.Array | None, KVCache]:
+    """The target pass of ``specdec_jax.target`` (its docstring fixes the semantics).
+
+    ``tokens: i32[B,S]`` are written at slots ``cache.lengths[b] + s``, rotated by
+    ``positions: i32[B,S]``, and attend to the committed slots plus the block slots
+    that ``block_mask: bool[B,S,S]`` allows (None: causal). Returns ``(logits f32[B,S,V]``
+    (``[B,S,Vo]`` with a reduced output vocabulary) or None when not compute_logits,
+    ``hidden f32[len(hidden_layers),B,S,H]`` or None, cache)``; ``hidden_layers``
+    entries are layer indices ``0..L-1`` (the residual stream after that layer) or
+    ``FINAL_NORM`` (-1). The layer loop is unrolled (a ``lax.scan`` would slice,
+    hence copy, every weight each step).
+    """
+    batch, steps = tokens.shape
+    for layer in hidden_layers:
+        if not (layer == FINAL_NORM or 0 <= layer < cfg.num_layers):
+            raise ValueError(f"hidden layer {layer} is not in 0..{cfg.num_layers - 1} or FINAL_NORM (-1)")
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
+
+    def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
+        return y.reshape(batch, steps, num, cfg.head_dim)
+
+    x = params["embed"][tokens]  # f32[B,S,H]
+    after_layer = {}
+    for index in range(cfg.num_layers):
+        w = {name: params[name][index] for name in LAYER_PARAMS}
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
+        k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
+        cache = cache.write(index, k, heads(linear(h, w["wv"]), cfg.num_kv_heads))
+        attn = attention(q, cache.k[index], cache.v[index], visible)
+        x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
+        after_layer[index] = x
+    normed = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if compute_logits or FINAL_NORM in hidden_layers \
+        else None
+    after_layer[FINAL_NORM] = normed
+    hidden = jnp.stack([after_layer[l].astype(jnp.float32) for l in hidden_layers]) if hidden_layers else None
+    if not compute_logits:
+        return None, hidden, cache
+    if cfg.tie_embeddings:  # contract with embed [V, H] directly: `embed.T` gets copied inside loops
+        logits = jnp.einsum("bsh,vh->bsv", normed, params["embed"])
+    else:
+        logits = normed @ params["lm_head"]
+    return logits.astype(jnp.float32), hidden, cache
+
+
 def forward(
     cfg: LlamaConfig,
     params: Mapping[str, jax.Array],
@@ -220,39 +301,44 @@ def forward(
     *,
     compute_logits: bool = True,
 ) -> tuple[jax.Array | None, KVCache]:
-    """One pure pass of ``tokens: i32[B,S]`` at slots ``cache.lengths[b] + s``.
+    """:func:`apply` of a chain: ``tokens: i32[B,S]`` at slots and positions ``cache.lengths[b] + s``,
+    causal. Returns ``(logits or None, cache)``."""
+    positions = chain_positions(cache.lengths, tokens.shape[1])
+    logits, _, cache = apply(cfg, params, tokens, cache, positions, compute_logits=compute_logits)
+    return logits, cache
 
-    Returns ``(logits f32[B,S,V] (``[B,S,Vo]`` with a reduced output vocabulary) or None
-    when not compute_logits, cache)``; the
-    cache holds the block's keys/values and the same ``lengths``. The layer loop
-    is unrolled (a ``lax.scan`` would slice, hence copy, every weight each step).
-    """
-    batch, steps = tokens.shape
-    positions = cache.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]  # i32[B,S]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
 
-    def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
-        return y.reshape(batch, steps, num, cfg.head_dim)
+@dataclasses.dataclass(frozen=True)
+class LlamaTarget:
+    """A Llama as a ``specdec_jax.target.TargetModel`` (static and hashable: only the config)."""
 
-    x = params["embed"][tokens]  # f32[B,S,H]
-    for index in range(cfg.num_layers):
-        w = {name: params[name][index] for name in LAYER_PARAMS}
-        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
-        k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
-        cache = cache.write(index, k, heads(linear(h, w["wv"]), cfg.num_kv_heads))
-        attn = attention(q, cache.k[index], cache.v[index], positions)
-        x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
-        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
-    if not compute_logits:
-        return None, cache
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_embeddings:  # contract with embed [V, H] directly: `embed.T` gets copied inside loops
-        logits = jnp.einsum("bsh,vh->bsv", x, params["embed"])
-    else:
-        logits = x @ params["lm_head"]
-    return logits.astype(jnp.float32), cache
+    config: LlamaConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.config.max_positions
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        return self.config.init_cache(batch, capacity)
+
+    def apply(self, params, tokens, cache, positions, block_mask=None, hidden_layers=(), *, compute_logits=True):
+        return apply(self.config, params, tokens, cache, positions, block_mask, hidden_layers,
+                     compute_logits=compute_logits)
+
+    def check_mesh(self, mesh) -> None:
+        check_model_axis(mesh, self.config, "the target")
 
 
 def check_params(cfg: LlamaConfig, arrays: Mapping[str, object]) -> None:
@@ -309,6 +395,10 @@ class Llama(nnx.Module):
     def arrays(self) -> dict[str, np.ndarray]:
         """The weights as numpy arrays in the stacked layout of :func:`param_shapes`."""
         return {name: np.asarray(value) for name, value in self.params().items()}
+
+    def as_target(self) -> tuple[LlamaTarget, Params]:
+        """``(LlamaTarget, weights)``: what the engine runs (``specdec_jax.target``)."""
+        return LlamaTarget(self.config), self.params()
 
     def __call__(self, tokens: jax.Array, cache: KVCache, *,
                  compute_logits: bool = True) -> tuple[jax.Array | None, KVCache]:

@@ -25,6 +25,10 @@ class LoadedModel(NamedTuple):
     config: LlamaConfig
     tokenizer: ByteTokenizer
 
+    def as_target(self):
+        """``(TargetModel, weights)`` of the model, for the engine (``specdec_jax.target``)."""
+        return self.model.as_target()
+
 
 Builder = Callable[[int], LoadedModel]  # seed -> LoadedModel
 

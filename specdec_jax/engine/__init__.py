@@ -1,0 +1,49 @@
+"""Speculative decoding as one jitted `lax.while_loop` (DESIGN sections 2-4, 9).
+
+    state.py       EngineSpec (static), EngineParams (weights), DecodeState (the loop's pytree)
+    round.py       draft_step, verify_step (target_pass, target_law, accept, commit,
+                   stop_reasons), decode_round, run_loop
+    batching.py    validate, bucket, place on a mesh, prefill: prepare -> Prepared
+    generation.py  generate: prepare, run the loop, unpack a GenerationResult
+
+The engine imports no model module and names no drafter: the target is a
+`specdec_jax.target.TargetModel` (a pure `apply` with explicit positions and
+block mask), the drafter follows `specdec_jax.drafters.base`'s protocol, and
+every random draw is keyed by `specdec_jax.rng`. Given a device mesh
+(`specdec_jax.sharding`), weights, caches and state are sharded over it and the
+same program runs partitioned; output reaches the host after the loop only.
+"""
+
+from specdec_jax.engine.batching import Prepared, default_capacity, prefill, prepare, prompt_bucket, validate
+from specdec_jax.engine.generation import generate
+from specdec_jax.engine.round import (
+    accept,
+    commit,
+    decode_round,
+    draft_room,
+    draft_step,
+    position_keys,
+    run_loop,
+    stop_reasons,
+    target_law,
+    target_pass,
+    verify_step,
+)
+from specdec_jax.engine.state import (
+    CAPACITY,
+    EOS,
+    LENGTH,
+    RUNNING,
+    STOP_REASONS,
+    DecodeState,
+    EngineParams,
+    EngineSpec,
+    GenerationResult,
+)
+
+__all__ = [
+    "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams", "EngineSpec",
+    "GenerationResult", "Prepared", "accept", "commit", "decode_round", "default_capacity", "draft_room",
+    "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
+    "target_law", "target_pass", "validate", "verify_step",
+]

@@ -1,0 +1,197 @@
+"""From a request to the loop's first state: validation, shape buckets, placement and prefill.
+
+`prepare` checks every input before anything is compiled (one clear ValueError
+each), pads the batch to a power of two (and to a multiple of the mesh's data
+axis) and the prompts to a power-of-two bucket, so that a new prompt length or
+batch size does not recompile; then `prefill` writes the prompts into the
+target's (and the drafter's) caches in one pass and builds the `DecodeState`
+that `run_loop` starts from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from specdec_jax import sharding
+from specdec_jax.drafters.base import Drafter, PrefillContext, Proposal
+from specdec_jax.engine.round import draft_step
+from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
+from specdec_jax.metrics import Counters
+from specdec_jax.sampling import RowSampling, SamplingParams
+from specdec_jax.target import TargetModel, resolve_target
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_new, live, row_ids,
+            sampling: RowSampling, key) -> DecodeState:
+    """Writes padded prompts i32[B,P] into the caches in one pass; lengths = prompt_lens - 1."""
+    batch, width = prompts.shape
+    kept = min(width, spec.buffer_len)  # a bucket wider than the buffer is padding past it
+    tokens = jnp.zeros((batch, spec.buffer_len), jnp.int32).at[:, :kept].set(prompts[:, :kept])
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
+    _, hidden, cache = spec.target.apply(params.target, prompts, spec.target.init_cache(batch, spec.capacity),
+                                         positions, None, spec.hidden_layers, compute_logits=False)
+    drafter_state, features = None, None
+    if spec.gamma > 0:
+        prompt_features = None if hidden is None else hidden.transpose(1, 2, 0, 3)  # f32[B,P,k,H]
+        drafter_state = spec.drafter.init(params.drafter, PrefillContext(
+            prompts=prompts, prompt_lens=prompt_lens, features=prompt_features, target_params=params.target,
+            capacity=spec.capacity, target=spec.target))
+        if hidden is not None:
+            features = jnp.zeros((batch, spec.gamma + 1) + prompt_features.shape[2:], jnp.float32)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    state = DecodeState(
+        tokens=tokens,
+        num_tokens=prompt_lens,
+        prompt_lens=prompt_lens,
+        max_new=max_new,
+        done=~live,
+        stop_reason=zeros,
+        row_ids=row_ids,
+        key=key,
+        sampling=sampling,
+        cache=cache.with_lengths(prompt_lens - 1),
+        drafter_state=drafter_state,
+        proposal=Proposal(jnp.zeros((batch, spec.gamma), jnp.int32), zeros, None),
+        last_emit=zeros,
+        last_accepted=zeros,
+        features=features,
+        counters=Counters.zeros(batch, spec.gamma, len(spec.verify_widths)),
+        step=jnp.zeros((), jnp.int32),
+        target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
+                    jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
+        if spec.record_top_k else None,
+    )
+    if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
+        shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)
+        state = state.replace(proposal=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    return sharding.constrain_state(state, spec.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated, bucketed, prefilled batch: what `generate` runs the loop on."""
+
+    spec: EngineSpec
+    params: EngineParams  # target and drafter weights (placed on the mesh, if any)
+    state: DecodeState  # right after prefill
+    prompt_lens: np.ndarray  # i32[B] (padding rows: 1)
+    num_rows: int  # real prompts (B is bucketed up to a power of two)
+
+
+def prepare(
+    target,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    *,
+    gamma: int | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    max_new_tokens: int = 128,
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    row_ids: Sequence[int] | None = None,
+    capacity: int | None = None,
+    record_top_k: int = 0,
+    mesh: Mesh | None = None,
+) -> Prepared:
+    """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
+    model, target_params = resolve_target(target)
+    gamma = (0 if drafter is None else 4) if gamma is None else gamma
+    prompts = [list(map(int, p)) for p in prompts]
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
+    stops = tuple(sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set())))
+    validate(model, prompts, drafter, gamma, max_new_tokens, stops, capacity, record_top_k, mesh)
+    num_rows = len(prompts)
+    data = 1 if mesh is None else mesh.shape[sharding.DATA]
+    batch = _round_up(_next_power_of_two(num_rows), data)  # the data axis divides the batch
+    longest = max(map(len, prompts))
+    capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
+    padded = np.zeros((batch, prompt_bucket(longest)), np.int32)
+    lens = np.ones((batch,), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        lens[b] = len(p)
+    ids = np.arange(batch, dtype=np.int32)
+    if row_ids is not None:
+        if len(row_ids) != num_rows:
+            raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(row_ids)}")
+        ids[:num_rows] = list(row_ids)
+        ids[num_rows:] = 0
+    per_row = [sampling] * num_rows if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(per_row) != num_rows:
+        raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
+    rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
+
+    spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh)
+    params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None)
+    inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
+              jax.random.key(seed))
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh)
+        inputs = sharding.shard_state(inputs, mesh)
+    return Prepared(spec, params, prefill(spec, params, *inputs), lens, num_rows)
+
+
+def validate(target: TargetModel, prompts, drafter, gamma, max_new_tokens, stop_ids, capacity, record_top_k,
+             mesh) -> None:
+    """Every bad input raises ValueError here, before anything is compiled."""
+    vocab = target.vocab_size
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty (each prompt needs >= 1 token)")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if gamma > 0 and drafter is None:
+        raise ValueError(f"gamma = {gamma} needs a drafter (use gamma 0 for plain decoding)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for t in stop_ids:
+        if not 0 <= t < vocab:
+            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab})")
+    longest = max(map(len, prompts))
+    if target.max_positions is not None and longest + max_new_tokens > target.max_positions:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context length ({target.max_positions} positions): shorten the prompt or lower max_new_tokens")
+    if capacity is not None and capacity < longest + gamma + 1:
+        raise ValueError(
+            f"capacity {capacity} is too small: the longest prompt ({longest} tokens) plus one verify pass "
+            f"(gamma + 1 = {gamma + 1}) needs at least {longest + gamma + 1} slots"
+        )
+    if not 0 <= record_top_k <= vocab:
+        raise ValueError(f"record_top_k must be in [0, {vocab}], got {record_top_k}")
+    if mesh is not None:
+        target.check_mesh(mesh)
+    if gamma > 0:
+        drafter.check(target, mesh)
+
+
+def prompt_bucket(longest_prompt: int) -> int:
+    """Padded prompt width: the next power of two, at least 16 (one compile per bucket)."""
+    return max(16, _next_power_of_two(longest_prompt))
+
+
+def default_capacity(longest_prompt: int, max_new_tokens: int, gamma: int) -> int:
+    """KV slots per row: prompt bucket + max_new_tokens + gamma + 1, rounded up to a multiple of 64."""
+    return _round_up(prompt_bucket(longest_prompt) + max_new_tokens + gamma + 1, 64)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

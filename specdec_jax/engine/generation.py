@@ -1,0 +1,97 @@
+"""`generate`: the public entry point (validate, bucket, prefill, run the loop, unpack)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from specdec_jax import sharding
+from specdec_jax.drafters.base import Drafter
+from specdec_jax.engine.batching import prepare
+from specdec_jax.engine.round import decode_round, run_loop
+from specdec_jax.engine.state import STOP_REASONS, GenerationResult
+from specdec_jax.metrics import Metrics
+from specdec_jax.sampling import SamplingParams
+
+
+def generate(
+    target,
+    prompts: Sequence[Sequence[int]],
+    drafter: Drafter | None = None,
+    *,
+    gamma: int | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    max_new_tokens: int = 128,
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    row_ids: Sequence[int] | None = None,
+    capacity: int | None = None,
+    record_top_k: int = 0,
+    python_loop: bool = False,
+    mesh: Mesh | None = None,
+) -> GenerationResult:
+    """Speculative decoding of a ragged batch of token-id prompts.
+
+    Args:
+      target: the target model: anything with ``as_target() -> (TargetModel, params)``
+        (`specdec_jax.target`), e.g. a `Llama` or a `LoadedModel`.
+      prompts: one list of token ids per row (ragged lengths, each >= 1 token).
+      drafter: an `NgramDrafter`, `ModelDrafter`, `oracle_drafter(...)`, any object of
+        the drafter protocol (`specdec_jax.drafters.base`), or None for plain decoding.
+      gamma: drafts per round; default 4 with a drafter, 0 without. gamma = 0 is
+        plain autoregressive decoding through the same code.
+      sampling: one `SamplingParams` for all rows or one per row (greedy and
+        sampled rows may mix).
+      max_new_tokens: per-row token budget (>= 1). With the model's context length
+        known (`TargetModel.max_positions`), longest prompt + max_new_tokens must fit it.
+      eos_id, stop_ids: tokens that end a row (kept in the output): `eos_id` (one id or
+        None) and every id of `stop_ids` (e.g. a tokenizer's `stop_ids`).
+      seed, row_ids: a row's randomness depends only on (seed, its row id, the
+        position of each token; `specdec_jax.rng`), so a row's output does not depend
+        on its batch neighbours. Row ids default to 0..B-1; pass the same id to
+        reproduce a row alone.
+      capacity: KV slots per row; default fits the prompt bucket + max_new_tokens
+        + gamma + 1, rounded up to a multiple of 64. Rows that run out stop with
+        reason "capacity".
+      record_top_k: if > 0, also return the target's top-k tokens and log-probs
+        at every emitted token (`GenerationResult.target_top`; distillation data).
+      python_loop: run the same `draft_step` / `verify_step` from a Python loop
+        instead of `lax.while_loop` (for debugging; identical results).
+      mesh: a `(data, model)` mesh (`specdec_jax.sharding.make_mesh`): weights, KV
+        caches and loop state are sharded over it and the same loop runs
+        partitioned. The batch is padded to a multiple of the `data` axis; the
+        `model` axis must divide the head counts and MLP width. None, or one
+        device: the single-device path.
+
+    Returns:
+      GenerationResult: emitted tokens and stop reason per row, batch metrics.
+    """
+    start = time.perf_counter()
+    run = prepare(
+        target, prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
+        stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
+    )
+    state = run.state
+    if python_loop:
+        while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
+            state = decode_round(run.spec, run.params, state)
+    else:
+        state = run_loop(run.spec, run.params, state)
+    tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
+        (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
+    wall = time.perf_counter() - start
+    lens, num_rows = run.prompt_lens, run.num_rows
+    if top is not None:
+        top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
+    return GenerationResult(
+        tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
+        stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
+        metrics=Metrics.from_counters(counters, num_rows),
+        wall_s=wall,
+        loop_rounds=int(step),
+        target_top=top,
+    )

@@ -1,0 +1,188 @@
+"""One round of speculative decoding as two pure, jitted functions (DESIGN sections 2 and 4).
+
+    draft_step(spec, params, state) -> state    # the drafter proposes
+    verify_step(spec, params, state) -> state   # target pass, acceptance, commit, stop reasons
+
+`verify_step` is the composition of its named parts, each a pure function:
+
+    target_pass   the target over [t0, d1..dG] at slots and positions lengths + s (a chain)
+    target_law    the processed law p at each verified position (penalties, temperature, filters)
+    accept        the verification rule: accepted drafts, correction or bonus, stop/budget cut
+    commit        tokens, cache lengths (the rollback), record_top_k, the drafter's hook, metrics
+    stop_reasons  which live rows just ended, and why
+
+`run_loop` is `jax.jit` around `lax.while_loop(cond, draft_step then
+verify_step)` with the state donated, so caches update in place and nothing
+crosses to the host until every row is done. gamma = 0 is plain
+autoregressive decoding through the same code.
+
+The engine knows the target only as a `specdec_jax.target.TargetModel` and the
+drafter only through `specdec_jax.drafters.base`'s protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax import rng
+from specdec_jax.drafters.base import DraftContext, RoundOutcome
+from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
+from specdec_jax.kv_cache import KVCache
+from specdec_jax.sampling import PenaltyCounts, process_logits
+from specdec_jax.target import chain_positions
+from specdec_jax.verify import VerifyResult, verify_greedy, verify_stochastic
+
+
+def position_keys(state: DecodeState, width: int) -> jax.Array:
+    """key[B,width]: row keys of the absolute positions num_tokens + 0..width-1 (`specdec_jax.rng`)."""
+    return rng.position_keys(state.key, state.row_ids, chain_positions(state.num_tokens, width))
+
+
+def draft_room(spec: EngineSpec, state: DecodeState) -> jax.Array:
+    """i32[B]: drafts a row can use: past the budget they are never emitted, past slot T-1 they
+    could not be verified; 0 for finished rows."""
+    generated = state.num_tokens - state.prompt_lens
+    room = jnp.minimum(state.max_new - generated - 1, spec.capacity - state.num_tokens)
+    return jnp.where(state.done, 0, jnp.maximum(room, 0)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
+    """The drafter proposes up to gamma tokens per live row, capped by `draft_room`."""
+    if spec.gamma == 0:
+        return state
+    room = draft_room(spec, state)
+    ctx = DraftContext(
+        tokens=state.tokens, num_tokens=state.num_tokens, prompt_lens=state.prompt_lens, room=room,
+        last_emit=state.last_emit, last_accepted=state.last_accepted, features=state.features,
+        keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
+        target=spec.target,
+    )
+    proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
+    num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
+    return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
+
+
+def target_pass(spec: EngineSpec, target_params, state: DecodeState):
+    """``(logits f32[B,G+1,V], hidden f32[B,G+1,k,H] | None, cache, width index i32[])`` of the
+    inputs ``[t0, drafts]`` at slots and positions ``lengths + s``.
+
+    It runs at the narrowest of ``spec.verify_widths`` that holds every row's drafts;
+    columns past that width are zeros and are never read.
+    """
+    drafts = state.proposal.drafts
+    t0 = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)
+    inputs = jnp.concatenate([t0, drafts], axis=1)  # i32[B,G+1]
+    positions = chain_positions(state.cache.lengths, inputs.shape[1])
+
+    def at_width(width: int):
+        def run(cache: KVCache):
+            logits, hidden, cache = spec.target.apply(
+                target_params, inputs[:, :width], cache, positions[:, :width], None, spec.hidden_layers)
+            pad = inputs.shape[1] - width
+            logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
+            if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
+                hidden = jnp.pad(hidden.transpose(1, 2, 0, 3), ((0, 0), (0, pad), (0, 0), (0, 0)))
+            return logits, hidden, cache
+        return run
+
+    widths = spec.verify_widths
+    if len(widths) == 1:
+        return (*at_width(widths[0])(state.cache), jnp.zeros((), jnp.int32))
+    branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
+    return (*jax.lax.switch(branch, [at_width(w) for w in widths], state.cache), branch)
+
+
+def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
+    """f32[B,G+1,V]: the processed target law at each verified position (DESIGN section 6);
+    penalties count the committed tokens plus the drafts before each position."""
+    counts = None
+    if state.sampling.use_penalties:
+        history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
+        counts = history.at_positions(state.proposal.drafts)
+    return process_logits(logits, state.sampling, counts)
+
+
+def accept(spec: EngineSpec, state: DecodeState, target_probs: jax.Array) -> VerifyResult:
+    """The verification rule: greedy when no row samples, else speculative sampling (greedy rows
+    of a mixed batch have one-hot laws, for which it reduces to the greedy rule)."""
+    drafts, num_draft, draft_probs = state.proposal
+    budget = state.max_new - (state.num_tokens - state.prompt_lens)
+    if state.sampling.any_sampled:
+        return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs, target_probs, num_draft,
+                                 stop_ids=spec.stop_ids, budget=budget)
+    return verify_greedy(drafts, jnp.argmax(target_probs, axis=-1), num_draft, stop_ids=spec.stop_ids, budget=budget)
+
+
+def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult, cache: KVCache,
+           logits: jax.Array, hidden: jax.Array | None, width_index: jax.Array) -> DecodeState:
+    """Appends each live row's emitted run and moves the committed lengths (the rollback of
+    rejected drafts: their slots lie past the new lengths); then the drafter's commit hook and
+    the round's metrics."""
+    live = ~state.done
+    n_emit = jnp.where(live, result.n_emit, 0)
+    n_accepted = jnp.where(live, result.n_accepted, 0)
+    column = jnp.arange(spec.gamma + 1)[None, :]
+    index = jnp.where(column < n_emit[:, None], state.num_tokens[:, None] + column, spec.buffer_len)
+    rows = jnp.arange(index.shape[0])[:, None]
+    num_tokens = state.num_tokens + n_emit
+    target_top = state.target_top
+    if spec.record_top_k:
+        logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), spec.record_top_k)  # [B,G+1,k]
+        target_top = (target_top[0].at[rows, index].set(ids, mode="drop"),
+                      target_top[1].at[rows, index].set(logp, mode="drop"))
+    drafter_state = state.drafter_state
+    if spec.gamma > 0:
+        outcome = RoundOutcome(n_emit=n_emit, n_accepted=n_accepted, num_tokens=num_tokens, features=hidden)
+        drafter_state = spec.drafter.commit(params.drafter, drafter_state, outcome)
+    return state.replace(
+        tokens=state.tokens.at[rows, index].set(result.tokens, mode="drop"),
+        num_tokens=num_tokens,
+        cache=cache.with_lengths(num_tokens - 1),
+        drafter_state=drafter_state,
+        last_emit=n_emit,
+        last_accepted=n_accepted,
+        features=hidden,
+        counters=state.counters.add_round(live, state.proposal.num_draft, result.n_accepted, n_emit, width_index),
+        step=state.step + 1,
+        target_top=target_top,
+    )
+
+
+def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> DecodeState:
+    """Rows live before this round (``~was_done``) that now end: a stop token as the newest token,
+    the budget spent, or no cache slot left for the next t0."""
+    live = ~was_done
+    last = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)[:, 0]
+    hit_stop = live & jnp.isin(last, jnp.asarray(spec.stop_ids, jnp.int32)) if spec.stop_ids else jnp.zeros_like(live)
+    hit_length = live & (state.num_tokens - state.prompt_lens >= state.max_new)
+    hit_capacity = live & (state.num_tokens - 1 >= spec.capacity)
+    reason = jnp.select([hit_stop, hit_length, hit_capacity], [EOS, LENGTH, CAPACITY], state.stop_reason)
+    return state.replace(done=was_done | hit_stop | hit_length | hit_capacity, stop_reason=reason.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
+    """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
+    logits, hidden, cache, width_index = target_pass(spec, params.target, state)
+    result = accept(spec, state, target_law(spec, state, logits))
+    return stop_reasons(spec, state.done, commit(spec, params, state, result, cache, logits, hidden, width_index))
+
+
+def decode_round(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
+    """One round: the loop body, also driven step by step by the Python debug path."""
+    return verify_step(spec, params, draft_step(spec, params, state))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def run_loop(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
+    """Rounds until every row is done; each live row emits >= 1 token a round, so at most max(max_new)."""
+
+    def cond(s: DecodeState):
+        # Some row is still running, and the round limit (a safety net) is not reached.
+        return jnp.any(~s.done) & (s.step < jnp.max(s.max_new))
+
+    return jax.lax.while_loop(cond, lambda s: decode_round(spec, params, s), state)

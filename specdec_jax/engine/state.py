@@ -1,0 +1,101 @@
+"""The engine's static settings, weights and loop state (DESIGN section 3).
+
+Invariant per row b: `num_tokens[b]` tokens are committed; the target cache
+holds the first `num_tokens[b] - 1` of them and the newest, t0, is fed at slot
+`num_tokens[b] - 1` by the next verify pass. Committing `n_emit` tokens is
+`num_tokens += n_emit`: that is also the rollback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from specdec_jax.drafters.base import Drafter, Proposal
+from specdec_jax.kv_cache import KVCache
+from specdec_jax.metrics import Counters, Metrics
+from specdec_jax.sampling import RowSampling
+from specdec_jax.target import TargetModel
+
+RUNNING, EOS, LENGTH, CAPACITY = 0, 1, 2, 3  # EOS: any stop token
+STOP_REASONS = {EOS: "eos", LENGTH: "length", CAPACITY: "capacity"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Static settings of a compiled generation program (hashable)."""
+
+    target: TargetModel
+    drafter: Drafter | None  # None (or gamma 0): plain decoding
+    gamma: int  # drafts per round
+    capacity: int  # T, KV slots per row
+    stop_ids: tuple[int, ...] = ()  # tokens that end a row (kept in its output)
+    record_top_k: int = 0  # > 0: keep the target's k most likely tokens and log-probs at every emitted token
+    mesh: Mesh | None = None  # devices the state is sharded over (specdec_jax.sharding); None: one device
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """Widths the verify pass is compiled at: 1 (no row has a draft) and gamma + 1.
+
+        A round where the drafter found nothing then costs one plain decoding step.
+        Intermediate widths were measured to add nothing for the n-gram drafter
+        (its drafts are almost always gamma long) and cost a compile each.
+        """
+        return (1,) if self.gamma == 0 else (1, self.gamma + 1)
+
+    @property
+    def buffer_len(self) -> int:
+        """Length of the committed-token buffer: T committed slots + t0 + one verify run."""
+        return self.capacity + self.gamma + 2
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target hidden states the engine keeps: exactly those the drafter reads."""
+        return self.drafter.reads_hidden if self.gamma > 0 else ()
+
+
+@flax.struct.dataclass
+class EngineParams:
+    """The weights a round reads (jit arguments, never constants)."""
+
+    target: Any  # the target's weights, as its TargetModel.apply takes them
+    drafter: Any  # the drafter's weights (Drafter.params), None for plain decoding
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # i32[B,Tbuf] committed tokens (prompt, then generated)
+    num_tokens: jax.Array  # i32[B] committed count; the cache holds num_tokens - 1
+    prompt_lens: jax.Array  # i32[B]
+    max_new: jax.Array  # i32[B] token budget per row
+    done: jax.Array  # bool[B]
+    stop_reason: jax.Array  # i32[B] RUNNING / EOS / LENGTH / CAPACITY
+    row_ids: jax.Array  # i32[B] a row's randomness depends on (seed, row id, position) only
+    key: jax.Array  # key[] from the seed
+    sampling: RowSampling  # per-row sampling settings, [B] arrays
+    cache: KVCache  # target cache, L x [B,Hkv,T,D] keys and L x [B,Hkv,D,T] values
+    drafter_state: Any  # the drafter's own state (e.g. its KV cache)
+    proposal: Proposal  # drafts for the next verify pass: i32[B,G], i32[B], f32[B,G,V] | None
+    last_emit: jax.Array  # i32[B] tokens emitted by the last round (0 before the first)
+    last_accepted: jax.Array  # i32[B] drafts accepted by the last round
+    features: jax.Array | None  # f32[B,G+1,k,H] target hidden states (spec.hidden_layers) of the last verify inputs
+    counters: Counters
+    step: jax.Array  # i32[] loop iterations so far
+    target_top: tuple[jax.Array, jax.Array] | None = None  # (i32, f32)[B,Tbuf,k] record_top_k's buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[list[int]]  # emitted token ids per prompt
+    stop_reasons: list[str]  # "eos" | "length" | "capacity" per prompt
+    metrics: Metrics
+    wall_s: float  # whole call, compile included on a first call
+    loop_rounds: int  # while_loop iterations
+    # record_top_k > 0: per prompt, (ids i32[n,k], log-probs f32[n,k]) of the target's law (temperature 1,
+    # no filters) that each of its n emitted tokens was chosen under
+    target_top: list[tuple[np.ndarray, np.ndarray]] | None = None

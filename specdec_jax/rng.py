@@ -1,0 +1,63 @@
+"""Every random draw of a generation, keyed by what it decides (DESIGN section 6).
+
+A draw's key is a function of four things only:
+
+    fold_in(fold_in(fold_in(fold_in(key(seed), row id), position), purpose), ...)
+
+- the seed of the `generate` call;
+- the row id (`generate(row_ids=...)`, default the row's index), so a row's
+  output does not depend on which other rows share its batch;
+- the absolute position, in the row's sequence (prompt included, 0-based), of
+  the token the draw decides: the proposal of the draft at that position, the
+  accept-uniform of that draft, or the correction/bonus emitted there;
+- a purpose tag from `Purpose`, so draws for different uses never share bits.
+
+Nothing is ever `split` over the batch: a key never depends on the batch size.
+A draw that needs several random numbers at one (row, position, purpose) folds
+in a small sub-index (e.g. a child index of a tree node) after the tag.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class Purpose(enum.IntEnum):
+    """Fold-in tags, one per use of randomness (the only place tags are defined)."""
+
+    DRAFT = 0  # a drafter's sample of its proposal
+    ACCEPT = 1  # the uniform u of the accept test u < p / q
+    RESIDUAL = 2  # the correction (residual law) or bonus draw of the target
+    CORRUPT_KEEP = 3  # oracle drafter: keep the target's token or corrupt it
+    CORRUPT_TOKEN = 4  # oracle drafter: the wrong token it substitutes
+
+
+def position_keys(seed_key: jax.Array, row_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """key[B,S]: the key of row ``row_ids[b]`` at absolute position ``positions[b, s]``.
+
+    ``seed_key`` is one typed key (``jax.random.key(seed)``); ``row_ids`` i32[B];
+    ``positions`` i32[B,S]. Fold in a `Purpose` with :func:`for_purpose` before drawing.
+    """
+    def row(row_id, row_positions):
+        row_key = jax.random.fold_in(seed_key, row_id)
+        return jax.vmap(lambda p: jax.random.fold_in(row_key, p))(row_positions)
+
+    return jax.vmap(row)(jnp.asarray(row_ids, jnp.int32), jnp.asarray(positions, jnp.int32))
+
+
+def for_purpose(keys: jax.Array, purpose: Purpose) -> jax.Array:
+    """``keys`` (any shape) with the purpose tag folded in."""
+    flat = keys.reshape(-1)
+    return jax.vmap(lambda k: jax.random.fold_in(k, int(purpose)))(flat).reshape(keys.shape)
+
+
+def check_keys(keys: jax.Array, shape: tuple[int, ...], what: str = "keys") -> jax.Array:
+    """ValueError unless ``keys`` is an array of typed PRNG keys of ``shape``."""
+    if not isinstance(keys, jax.Array) or not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{what} must be typed PRNG keys (jax.random.key), not raw uint32 keys")
+    if keys.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}, got {keys.shape}")
+    return keys
