@@ -13,6 +13,10 @@ in the same run on the same shapes:
     T(w) the target pass at each verify width w the engine compiles (EngineSpec.verify_widths)
     predicted speedup = tau * T1 / (gamma * Td + mean T(w) over the rounds run)
 
+Each term is timed the way the loop runs it: the jitted piece donates its
+caches (or the whole state), which are fed back from call to call, so no
+timing includes a copy of the KV cache.
+
 The engine verifies each round at the narrowest width that holds every row's
 drafts, so rounds where the drafter found nothing cost T1, not Tv; the round
 count at each width comes from the run's metrics.
@@ -24,6 +28,7 @@ plain decoding: parameter bytes per token / bandwidth.
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import time
 
@@ -36,9 +41,9 @@ from specdec_jax import engine
 from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
 from specdec_jax.models import load_model
-from specdec_jax.models.llama import forward
-from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, one_device_only, prompt_records,
-                                sampling_params)
+from specdec_jax.target import chain_positions
+from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, format_rate, one_device_only,
+                                prompt_records, sampling_params, stop_ids)
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -59,27 +64,55 @@ def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
     return num_bytes / median_time(lambda: total(data).block_until_ready())
 
 
+def median_time_fed_back(step, carry, repeats: int = 7) -> float:
+    """Median seconds of ``carry = step(carry)`` after one warm-up call. ``step`` donates its carry
+    (the caches), which is fed back between calls, as the loop runs them: nothing is copied."""
+    carry = jax.block_until_ready(step(carry))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(step(carry))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_target_pass(run: engine.Prepared, width: int) -> float:
+    """Seconds of one target pass of ``width`` tokens per row (a verify pass at that width, with the
+    hidden states the drafter reads), its cache donated and fed back, its logits reduced on device
+    to the argmax (the loop never returns logits either)."""
+    spec = run.spec
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(params, carry):
+        cache = carry[0]
+        tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
+        logits, _, cache = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
+                                             spec.hidden_layers)
+        return cache, jnp.argmax(logits, axis=-1)
+
+    batch = run.state.cache.lengths.shape[0]
+    carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))
+    return median_time_fed_back(lambda c: step(run.params.target, c), carry)
+
+
+def time_draft_step(run: engine.Prepared) -> float:
+    """Seconds of one `draft_step` (the drafter's whole proposal of gamma tokens), the loop state
+    donated and fed back. Consumes ``run.state``."""
+    step = jax.jit(functools.partial(engine.draft_step, run.spec), donate_argnums=1)
+    return median_time_fed_back(lambda state: step(run.params, state), run.state)
+
+
 def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
     """T1, Tv, Td and the target pass at every verify width (seconds), on the shapes of this
-    batch, measured with the engine's own jitted pieces."""
+    batch, timed as the loop runs them (`time_target_pass`, `time_draft_step`)."""
     run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
                          max_new_tokens=cfg.max_new_tokens, capacity=capacity)
-    config, params, cache = target.config, run.params, run.state.cache
-    batch = cache.lengths.shape[0]
-    fwd = jax.jit(forward, static_argnums=0)
-
-    def target_pass(width):
-        tokens = jnp.ones((batch, width), jnp.int32)
-        return lambda: fwd(config, params, tokens, cache)[0].block_until_ready()
-
     widths = run.spec.verify_widths
-    by_width = {w: median_time(target_pass(w)) for w in widths}
+    by_width = {w: time_target_pass(run, w) for w in widths}
     out = {"T1": by_width[1], "Tv": by_width[gamma + 1], "Td": 0.0, "verify_widths": list(widths),
            "T_by_width": [by_width[w] for w in widths]}
     if gamma and drafter is not None:
-        # Return only the proposal: returning the whole state would time a copy of the KV caches.
-        propose = jax.jit(lambda s: engine.draft_step(run.spec, run.drafter_params, s).proposal)
-        out["Td"] = median_time(lambda: propose(run.state).drafts.block_until_ready()) / gamma
+        out["Td"] = time_draft_step(run) / gamma
     return out
 
 
@@ -99,6 +132,9 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         raise ValueError("--peer hf compares single prompts: use --batch-size 1")
     if peer and cfg.temperature != 0:
         raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
+    if peer and sampling_params(cfg).has_penalties:
+        raise ValueError("--peer hf decodes without penalties: leave the repetition, presence and frequency "
+                         "penalties off")
     drop_compiled_programs()
     target = load_model(cfg.model)
     hf = None
@@ -109,18 +145,19 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     drafter = build_drafter(cfg, target)
     records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
-    eos = None if cfg.ignore_eos else tok.eos_id
+    stops = stop_ids(cfg, tok)
     gamma = cfg.gamma
     rows = []
     batches = [records[i : i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
-    for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress):
+    for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress,
+                      delay=0.5):  # no bar before an error in the first batch
         prompts = [encode(tok, r["prompt"], cfg.raw) for r in chunk]
         capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, gamma)
 
         def run(g, max_new):
             return engine.generate(
                 target, prompts, drafter if g else None, gamma=g, sampling=sampling_params(cfg),
-                max_new_tokens=max_new, eos_id=eos, seed=cfg.seed, capacity=capacity,
+                max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity,
             )
 
         compile_s = {g: run(g, 1).wall_s for g in (0, gamma)}
@@ -138,7 +175,8 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         )
         row = _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, comparisons, gamma)
         if hf is not None:
-            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, eos, lookup, repeats)
+            hf_eos = None if cfg.ignore_eos else tok.eos_id  # the peer stops at its own EOS only, not at --stop-id
+            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats)
                          for mode, lookup in (("greedy", 0), ("lookup", gamma))}
             for result in row["hf"].values():
                 tokens = result.pop("tokens")
@@ -306,7 +344,7 @@ def format_report(report: dict) -> str:
         equal = "-" if a["tie_aware_equal"] is None else f"{'yes' if a['tie_aware_equal'] else 'NO'} ({a['exact_match_rate']:.2f})"
         lines.append(
             f"| {name} | {a['prompts']} | {a['plain_tokens_per_s']:.1f} | {a['spec_tokens_per_s']:.1f} | "
-            f"{a['speedup']:.2f}x | {a['tokens_per_round']:.2f} | {a['acceptance_rate']:.2f} | {a['T1_ms']:.1f} | "
+            f"{a['speedup']:.2f}x | {a['tokens_per_round']:.2f} | {format_rate(a['acceptance_rate'])} | {a['T1_ms']:.1f} | "
             f"{a['Tv_ms']:.1f} | {a['verify_ms_per_round']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
             f"{a['measured_over_predicted']:.2f} | {equal} |")
     if "hf_greedy_tokens_per_s" in report["overall"]:
@@ -317,12 +355,12 @@ def format_report(report: dict) -> str:
                 f"| {name} | {a['hf_greedy_tokens_per_s']:.1f} | {a['plain_over_hf_greedy']:.2f}x | "
                 f"{a['hf_lookup_tokens_per_s']:.1f} | {a['spec_over_hf_lookup']:.2f}x | "
                 f"{a['hf_greedy_same_as_plain']:.2f} | {a['hf_lookup_same_as_plain']:.2f} |")
-    pos = ", ".join(f"{x:.2f}" for x in report["overall"]["per_position_acceptance"])
+    pos = ", ".join(map(format_rate, report["overall"]["per_position_acceptance"]))
     lines += ["", f"per-position acceptance (overall): [{pos}]",
               f"memory bandwidth {report['memory_bandwidth_gb_s']:.1f} GB/s; parameters "
               f"{report['param_bytes'] / 1e6:.0f} MB -> floor {report['bandwidth_floor_ms_per_step']:.1f} ms per "
               f"target step; plain decoding runs at {100 * report['plain_fraction_of_bandwidth_floor']:.0f}% of it",
-              f"compile (first call, s): " + ", ".join(
+              "compile (first call, s): " + ", ".join(
                   f"plain {r['compile_s']['plain']:.1f} / spec {r['compile_s']['spec']:.1f}" for r in report["batches"][:3])
               + (" ..." if len(report["batches"]) > 3 else "")]
     return "\n".join(lines)

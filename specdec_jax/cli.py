@@ -1,6 +1,8 @@
 """Command line: `specdec-jax {demo,generate,bench,sweep,train-draft,theory} ...`.
 
 Errors in user input print one line on stderr and exit with code 2 (no traceback).
+A failure of the jax runtime (out of memory, a device error) is not the user's:
+it propagates with its traceback (exit code 1).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 import math
 import pathlib
 import sys
+
+import jax
 
 from specdec_jax import theory
 from specdec_jax.config import DRAFTERS, RunConfig, load_yaml, resolve
@@ -23,13 +27,17 @@ FLAG_HELP = {
     "top_k": "0 = off",
     "top_p": "1 = off",
     "min_p": "0 = off",
+    "repetition_penalty": "divides positive (multiplies negative) logits of prompt and generated tokens; 1 = off",
+    "presence_penalty": "subtracted from the logit of every token generated so far; 0 = off",
+    "frequency_penalty": "subtracted per occurrence of a token generated so far; 0 = off",
     "max_new_tokens": "token budget per prompt",
     "seed": "random seed",
     "batch_size": "prompts per batch",
     "prompt": "a prompt text (repeatable)",
     "prompts_file": "JSONL with 'prompt', or Spec-Bench 'turns' (first turn used)",
     "raw": "send prompt text as is (no chat template)",
-    "ignore_eos": "do not stop at the model's EOS",
+    "ignore_eos": "do not stop at the model's end tokens (its EOS, EOT ...); --stop-id still stops",
+    "stop_id": "a token id that also ends a row, kept in the output (repeatable)",
     "oracle_alpha": "acceptance of the oracle drafter",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
@@ -46,6 +54,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[name])
         elif name == "prompt":
             parser.add_argument(flag, action="append", default=None, help=FLAG_HELP[name])
+        elif name == "stop_id":
+            parser.add_argument(flag, action="append", type=int, default=None, metavar="ID", help=FLAG_HELP[name])
         else:
             kind = str if value is None else type(value)
             parser.add_argument(flag, type=kind, default=None, help=f"{FLAG_HELP[name]} (default {value})")
@@ -63,8 +73,9 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> RunConfig:
     flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
-    if flags["prompt"] is not None:
-        flags["prompt"] = tuple(flags["prompt"])
+    for name in ("prompt", "stop_id"):  # repeatable flags
+        if flags[name] is not None:
+            flags[name] = tuple(flags[name])
     file_values = load_yaml(args.config) if args.config else {}
     return resolve(file_values, flags, where=str(args.config or "flags"))
 
@@ -214,6 +225,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except jax.errors.JaxRuntimeError:  # a RuntimeError, but the runtime's, not bad input
+        raise
     except (ValueError, RuntimeError) as err:
         print(f"specdec-jax: error: {err}", file=sys.stderr)
         return 2

@@ -29,6 +29,9 @@ class RunConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' (CTRL): prompt and generated tokens
+    presence_penalty: float = 0.0  # vLLM/OpenAI: generated tokens only
+    frequency_penalty: float = 0.0
     max_new_tokens: int = 128
     seed: int = 0
     batch_size: int = 1
@@ -36,6 +39,7 @@ class RunConfig:
     prompts_file: str | None = None
     raw: bool = False
     ignore_eos: bool = False
+    stop_id: tuple[int, ...] = ()  # extra token ids that end a row (kept in the output), beside the model's
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
@@ -58,7 +62,9 @@ class RunConfig:
             raise ValueError("drafter 'draft-model' needs draft_model (--draft-model NAME_OR_PATH)")
         if not all(isinstance(p, str) for p in self.prompt):
             raise ValueError(f"prompt must be a list of strings, got {self.prompt!r}")
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_id):
+            raise ValueError(f"stop_id must be token ids (ints >= 0), got {list(self.stop_id)!r}")
+        sampling_params(self)
         if self.mesh is not None:
             if not isinstance(self.mesh, str):
                 raise ValueError(f"mesh must be a string like 'data=4,model=2', got {self.mesh!r}")
@@ -75,11 +81,17 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["prompt"] = list(self.prompt)
+        d["prompt"], d["stop_id"] = list(self.prompt), list(self.stop_id)
         return d
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    """The config's sampling fields (temperature ... frequency_penalty) as SamplingParams; a bad
+    value is a ValueError naming the field."""
+    return SamplingParams(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
 def read_yaml(path: str | pathlib.Path, kind: str = "config") -> dict[str, Any]:
@@ -109,6 +121,8 @@ def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
             raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(FIELDS)})")
         if name == "prompt":  # one string is one prompt, a list is several
             value = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
+        elif name == "stop_id":  # one id or a list of ids
+            value = tuple(value) if isinstance(value, list) else (value,)
         out[name] = value
     return out
 

@@ -19,7 +19,8 @@ from specdec_jax.compare import compare_greedy, teacher_forced_margins
 from specdec_jax.config import RunConfig
 from specdec_jax.engine import default_capacity, generate
 from specdec_jax.models import load_model
-from specdec_jax.runner import build_drafter, encode, one_device_only, prompt_records, sampling_params
+from specdec_jax.runner import (build_drafter, encode, format_rate, one_device_only, prompt_records, sampling_params,
+                                stop_ids)
 
 
 def demo(cfg: RunConfig) -> dict:
@@ -30,16 +31,17 @@ def demo(cfg: RunConfig) -> dict:
     target = load_model(cfg.model)
     drafter = build_drafter(cfg, target)
     tok = target.tokenizer
-    eos = None if cfg.ignore_eos else tok.eos_id
+    stops = stop_ids(cfg, tok)
     rows = []
-    for record in tqdm(prompt_records(cfg), desc="prompts (compile, plain, speculative)", unit="prompt"):
+    for record in tqdm(prompt_records(cfg), desc="prompts (compile, plain, speculative)", unit="prompt",
+                       delay=0.5):  # no bar before an error in the first prompt
         ids = encode(tok, record["prompt"], cfg.raw)
         capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.gamma)
 
         def run(gamma, max_new):
             return generate(
                 target, [ids], drafter if gamma else None, gamma=gamma, sampling=sampling_params(cfg),
-                max_new_tokens=max_new, eos_id=eos, seed=cfg.seed, capacity=capacity,
+                max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity,
             )
 
         compile_s = {g: run(g, 1).wall_s for g in (0, cfg.gamma)}
@@ -80,7 +82,7 @@ def _print_row(row: dict) -> None:
         same = "differs only after a near-tie (tie-aware equal)"
     print(f"-> {same}; speedup {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} -> "
           f"{row['spec_tokens_per_s']:.1f} tok/s), {row['tokens_per_round']:.2f} tokens/round, "
-          f"acceptance {row['acceptance_rate']:.2f}")
+          f"acceptance {format_rate(row['acceptance_rate'])}")
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -96,6 +98,6 @@ def _print_summary(rows: list[dict], cfg: RunConfig) -> None:
     for r in rows:
         same = {True: "yes", False: "tie" if r["tie_aware_equal"] else "NO", None: "-"}[r["identical"]]
         print(f"{str(r['id'])[:16]:<16} {r['plain_tokens_per_s']:>11.1f} {r['spec_tokens_per_s']:>10.1f} "
-              f"{r['speedup']:>7.2f}x {r['tokens_per_round']:>9.2f} {r['acceptance_rate']:>7.2f}  {same}")
+              f"{r['speedup']:>7.2f}x {r['tokens_per_round']:>9.2f} {format_rate(r['acceptance_rate']):>7}  {same}")
     print(f"median speedup {statistics.median(r['speedup'] for r in rows):.2f}x "
           "(CPU: a verify pass of gamma+1 tokens costs more than a 1-token step, see DESIGN section 8)")

@@ -5,16 +5,17 @@ Shared by `specdec-jax generate`, the demo and the benchmarks.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from tqdm import tqdm
 
-from specdec_jax.config import RunConfig
+from specdec_jax.config import RunConfig, sampling_params
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
-from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import make_mesh, shard_model
 
 
@@ -45,8 +46,14 @@ def one_device_only(cfg: RunConfig, command: str) -> None:
         raise ValueError(f"{command} times one device: --mesh is for generate and sweep")
 
 
-def sampling_params(cfg: RunConfig) -> SamplingParams:
-    return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+def stop_ids(cfg: RunConfig, tokenizer) -> tuple[int, ...]:
+    """Token ids that end a row: the model's end tokens (none with --ignore-eos), then cfg.stop_id."""
+    return tuple(dict.fromkeys((() if cfg.ignore_eos else tuple(tokenizer.stop_ids)) + cfg.stop_id))
+
+
+def format_rate(x: float | None) -> str:
+    """A rate with two decimals; "n/a" where it is undefined (None or NaN: nothing was drafted)."""
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
 
 
 def prompt_records(cfg: RunConfig) -> list[dict]:
@@ -82,11 +89,11 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
     results, parts, wall = [], [], 0.0
     batches = range(0, len(records), cfg.batch_size)
     for start in tqdm(batches, desc=f"{cfg.drafter if cfg.effective_gamma else 'plain'} decoding",
-                      unit="batch", disable=not progress):
+                      unit="batch", disable=not progress, delay=0.5):  # delay: no bar before a first-batch error
         chunk = encoded[start : start + cfg.batch_size]
         out = generate(
             target, chunk, drafter, gamma=cfg.effective_gamma, sampling=sampling_params(cfg),
-            max_new_tokens=cfg.max_new_tokens, eos_id=None if cfg.ignore_eos else tok.eos_id,
+            max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids(cfg, tok),
             seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh,
         )
         wall += out.wall_s
@@ -106,5 +113,5 @@ def stats_line(report: dict) -> str:
         f"[{report['config']['drafter'] if report['config']['gamma'] else 'plain'}"
         f" gamma={report['config']['gamma']}] {m['emitted_tokens']} tokens in {m['wall_s']:.2f}s "
         f"({m['tokens_per_s']:.1f} tok/s), {m['mean_accepted_length']:.2f} tokens/round, "
-        f"acceptance {m['acceptance_rate']:.2f}"
+        f"acceptance {format_rate(m['acceptance_rate'])}"
     )

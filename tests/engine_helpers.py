@@ -153,6 +153,22 @@ def prepare(
     return HandRun(run.spec, run.params, run.state, run.num_rows)
 
 
+def reference_ngram(h, gamma, max_n=3, min_n=1, prefer="recent", window=None):
+    """The n-gram proposal of DESIGN section 5 for history `h` (a list), in plain Python."""
+    length = len(h)
+    for n in range(max_n, min_n - 1, -1):
+        if length < n:
+            continue
+        starts = [
+            j for j in range(length - n)  # j + n < L: a continuation exists
+            if h[j : j + n] == h[length - n :] and (window is None or j >= length - window)
+        ]
+        if starts:
+            cont = (max if prefer == "recent" else min)(starts) + n
+            return h[cont : cont + min(gamma, length - cont)]
+    return []
+
+
 # ----------------------------------------------------------------------------
 # Rebuilding caches and teacher-forced logits from scratch
 
@@ -205,18 +221,23 @@ ORACLE_MAX_NEW = 38  # not a multiple of gamma + 1: the budget clips the drafts 
 class History:
     run: HandRun
     states: list  # DecodeState before round 0, after round 0, after round 1, ...
-    proposals: list  # Proposal of round r (after draft_step's clipping)
+    drafted: list  # DecodeState of round r after its draft step (before its verify step)
+
+    @property
+    def proposals(self) -> list:
+        """Proposal of round r (after draft_step's clipping)."""
+        return [s.proposal for s in self.drafted]
 
 
 @functools.cache
 def oracle_all_accept_history() -> History:
     """RAGGED with the alpha = 1.0 oracle, gamma GAMMA, eos_id(), ORACLE_MAX_NEW, round by round."""
     run = prepare(RAGGED, oracle(1.0), gamma=GAMMA, eos=eos_id(), max_new_tokens=ORACLE_MAX_NEW)
-    states, proposals = [run.state], []
-    while bool(np.any(~np.asarray(run.state.done))) and len(proposals) < ORACLE_MAX_NEW:
-        proposals.append(run.round().proposal)
+    states, drafted = [run.state], []
+    while bool(np.any(~np.asarray(run.state.done))) and len(drafted) < ORACLE_MAX_NEW:
+        drafted.append(run.round())
         states.append(run.state)
-    return History(run, states, proposals)
+    return History(run, states, drafted)
 
 
 def truncated_reference(max_new: int) -> tuple[list[list[int]], list[str]]:

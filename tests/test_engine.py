@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import chex
 import jax

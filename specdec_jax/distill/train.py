@@ -103,7 +103,8 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
     vocab_map = None
     cfg = draft_config(target.config, tc)
     if cfg.output_vocab_size is not None:
-        vocab_map = vocab_by_frequency(train_data, cfg.output_vocab_size, cfg.vocab_size, [target.tokenizer.eos_id])
+        vocab_map = vocab_by_frequency(train_data, cfg.output_vocab_size, cfg.vocab_size,
+                                       list(target.tokenizer.stop_ids))
     arrays = init_draft(cfg, target.config, target.model.arrays(), tc, vocab_map)
     tokenizer = target.tokenizer
     del target

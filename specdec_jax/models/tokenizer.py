@@ -1,7 +1,8 @@
 """Byte-level tokenizer for the random test models.
 
-The interface (``encode``, ``decode``, ``bos_id``, ``eos_id``, ``vocab_size``) is
-the one real tokenizers are wrapped to.
+The interface (``encode``, ``decode``, ``bos_id``, ``eos_id``, ``stop_ids``,
+``vocab_size``) is the one real tokenizers are wrapped to. ``stop_ids`` are the
+model's end tokens (EOS, end of turn, ...); ``eos_id`` is the first of them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class ByteTokenizer:
 
     bos_id: int = 256
     eos_id: int = 257
+    stop_ids: tuple[int, ...] = (257,)
     vocab_size: int = 258
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
@@ -31,13 +33,15 @@ class BPETokenizer:
     """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
 
     Built from GGUF metadata (`from_gguf_metadata`: byte-level BPE from vocab and
-    merges) or a Hugging Face directory (`from_hf_dir`: tokenizer.json).
+    merges) or a Hugging Face directory (`models.loading`: tokenizer.json).
+    `stop_ids`: the model's end tokens, EOS first (`eos_id`).
     """
 
-    def __init__(self, tokenizer, *, bos_id: int | None, eos_id: int, chat_template: str | None):
+    def __init__(self, tokenizer, *, bos_id: int | None, stop_ids: tuple[int, ...], chat_template: str | None):
         self._tok = tokenizer
         self.bos_id = bos_id
-        self.eos_id = eos_id
+        self.stop_ids = tuple(dict.fromkeys(int(i) for i in stop_ids))
+        self.eos_id = self.stop_ids[0]
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
 
@@ -60,21 +64,25 @@ class BPETokenizer:
         tok.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+        ends = [meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        if ends[0] is None:
+            raise ValueError("GGUF metadata names no tokenizer.ggml.eos_token_id")
         return cls(
             tok,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_id=int(meta["tokenizer.ggml.eos_token_id"]),
+            stop_ids=tuple(i for i in ends if i is not None),
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
     def save(self, folder) -> None:
-        """Writes Hugging Face style `tokenizer.json` and `tokenizer_config.json` (special tokens,
-        chat template) into `folder`."""
+        """Writes Hugging Face style `tokenizer.json`, `tokenizer_config.json` (special tokens,
+        chat template) and `generation_config.json` (`eos_token_id`: the stop ids) into `folder`."""
         folder = pathlib.Path(folder)
         (folder / "tokenizer.json").write_text(self._tok.to_str())
         config = {"bos_token": self._token_text(self.bos_id) or None, "eos_token": self._token_text(self.eos_id),
                   "chat_template": self.chat_template}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(self.stop_ids)}))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it map to their ids."""
