@@ -21,7 +21,7 @@ from specdec_jax.config import DRAFTERS, RunConfig, load_yaml, resolve
 FLAG_HELP = {
     "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
     "drafter": "drafter: " + ", ".join(DRAFTERS),
-    "draft_model": "draft model name or path (with --drafter draft-model)",
+    "draft_model": "draft model name or path (--drafter draft-model), or a trained head folder (eagle, medusa)",
     "gamma": "drafts per round (0 = plain decoding)",
     "temperature": "0 = greedy",
     "top_k": "0 = off",
@@ -134,7 +134,9 @@ def _train_draft(args) -> int:
     tc = train_config(args.config, **{name: getattr(args, name) for name in FIELDS})
     summary = train_draft(tc, args.out, resume=args.resume)
     print(json.dumps(summary, indent=1))
-    print(f"use it with: --drafter draft-model --draft-model {summary['draft']}")
+    if "draft" in summary:
+        drafter = "draft-model" if tc.kind == "model" else tc.kind
+        print(f"use it with: --drafter {drafter} --draft-model {summary['draft']}")
     return 0
 
 
@@ -145,8 +147,21 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
     for name, field in FIELDS.items():
         value = field.default
-        kind = int if name in WIDTH_KEYS else (str if value is None else type(value))
+        if name in WIDTH_KEYS:
+            kind = int
+        elif isinstance(value, bool):
+            kind = _boolean
+        elif value is None or isinstance(value, tuple):  # tuples: "3,15,-1", parsed by TrainConfig
+            kind = str
+        else:
+            kind = type(value)
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"(default {value})")
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
 
 
 
@@ -206,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=pathlib.Path, help="sweep YAML: base (a config) and grid (key: list of values)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output folder (resumes what is there)")
     p.set_defaults(func=_sweep)
-    p = sub.add_parser("train-draft", help="distil a draft model from the target (optax, orbax checkpoints)")
+    p = sub.add_parser("train-draft", help="train a draft model, an EAGLE head or Medusa heads on the target "
+                                           "(--kind; optax, orbax checkpoints)")
     p.add_argument("--config", type=pathlib.Path, help="YAML train config (flags override it)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output folder: data, checkpoints, log, draft/")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")

@@ -16,7 +16,8 @@ import yaml
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 
-DRAFTERS = ("none", "ngram", "draft-model", "oracle")
+DRAFTERS = ("none", "ngram", "draft-model", "oracle", "eagle", "medusa")
+NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,8 @@ class RunConfig:
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
-        if self.drafter == "draft-model" and not self.draft_model:
-            raise ValueError("drafter 'draft-model' needs draft_model (--draft-model NAME_OR_PATH)")
+        if self.drafter in NEEDS_DRAFT_MODEL and not self.draft_model:
+            raise ValueError(f"drafter {self.drafter!r} needs draft_model (--draft-model NAME_OR_PATH)")
         if not all(isinstance(p, str) for p in self.prompt):
             raise ValueError(f"prompt must be a list of strings, got {self.prompt!r}")
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_id):

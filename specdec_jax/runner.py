@@ -13,6 +13,7 @@ from tqdm import tqdm
 from specdec_jax.config import RunConfig, sampling_params
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.drafters.heads import load_head
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
@@ -27,6 +28,8 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min)
     if cfg.drafter == "oracle":
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
+    if cfg.drafter in ("eagle", "medusa"):
+        return load_head(cfg.draft_model, kind=cfg.drafter)
     draft = load_model(cfg.draft_model)
     if mesh is not None:
         shard_model(draft.model, mesh, "the draft model")

@@ -24,7 +24,11 @@ with these semantics (DESIGN sections 3 and 9):
   layers they need; the engine asks for exactly those.
 - ``compute_logits=False`` skips the LM head (prefill), ``logits = None``.
 
-Besides ``apply``: ``init_cache(batch, capacity)`` (an empty ``KVCache``),
+Besides ``apply``: ``embed(params, tokens i32[B,S]) -> f32[B,S,H]`` (the input
+embedding) and ``logits_of(params, normed f32[B,S,H]) -> f32[B,S,V]`` (the LM
+head applied to final-norm states: ``logits_of(apply(...).hidden[FINAL_NORM])``
+is ``apply``'s logits), for drafter heads that share them with the target;
+``init_cache(batch, capacity)`` (an empty ``KVCache``),
 ``vocab_size``, ``hidden_size``, ``num_layers``, ``max_positions`` (the trained
 context length, or None) and ``check_mesh(mesh)`` (ValueError unless the
 model's sharding rules fit the mesh).
@@ -56,6 +60,10 @@ class TargetModel(Protocol):
     def apply(self, params: Any, tokens: jax.Array, cache: KVCache, positions: jax.Array,
               block_mask: jax.Array | None = None, hidden_layers: tuple[int, ...] = (), *,
               compute_logits: bool = True) -> tuple[jax.Array | None, jax.Array | None, KVCache]: ...
+
+    def embed(self, params: Any, tokens: jax.Array) -> jax.Array: ...
+
+    def logits_of(self, params: Any, normed: jax.Array) -> jax.Array: ...
 
     def check_mesh(self, mesh) -> None: ...
 

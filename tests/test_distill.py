@@ -8,6 +8,7 @@ import functools
 import json
 import pathlib
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ from specdec_jax import engine
 from specdec_jax.cli import main
 from specdec_jax.distill.config import TrainConfig, train_config
 from specdec_jax.distill.data import batch_indices, split_questions, vocab_by_frequency
-from specdec_jax.distill.draft import copied_layers, distill_loss, draft_config
+from specdec_jax.distill.draft import copied_layers, distill_loss
+from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.models import load_model
@@ -144,10 +146,17 @@ def test_cli_train_draft_and_its_errors(trained, tmp_path, capsys):
 def test_every_train_config_in_configs_loads():
     files = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.yaml"))
     assert files
+    kinds = set()
     for path in files:
         tc = train_config(path)
-        cfg = draft_config(H.target().config if tc.target == "tiny-random" else _smollm2_shape(), tc)
-        assert cfg.num_layers == tc.num_layers
+        target = types.SimpleNamespace(config=H.target().config if tc.target == "tiny-random" else _smollm2_shape())
+        setup = kind_of(tc).setup(target, tc)  # the architecture the file describes builds
+        kinds.add(tc.kind)
+        if tc.kind == "model":
+            assert setup.num_layers == tc.num_layers
+        else:
+            assert setup.head.hidden_size == target.config.hidden_size
+    assert kinds == {"model", "eagle", "medusa"}
 
 
 def _smollm2_shape():

@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
 
 from specdec_jax.audit import chi_square, continuation_codes, sequence_law
-from specdec_jax.drafters import ModelDrafter, NgramDrafter
+from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
+from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import generate
 from specdec_jax.models import Llama, LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
@@ -78,10 +80,25 @@ def exact_law(model: Llama, new: int = NEW) -> np.ndarray:
     return law
 
 
+def eagle_head() -> EagleDrafter:
+    """A random EAGLE head reading two target layers (q: its own law, through the target's LM head)."""
+    cfg = EagleConfig(CONFIG.hidden_size, V, 32, 2, 1, 8, feature_layers=(0, -1))
+    return EagleDrafter(cfg, init_eagle(cfg, jax.random.key(3)))
+
+
+def medusa_heads() -> MedusaDrafter:
+    """Random Medusa heads on the target's final-norm feature (q: each head's law)."""
+    rng = np.random.default_rng(4)
+    h = CONFIG.hidden_size
+    params = {"w": (rng.standard_normal((3, h, h)) / np.sqrt(h)).astype(np.float32),
+              "b": rng.standard_normal((3, h)).astype(np.float32)}
+    return MedusaDrafter(MedusaConfig(h, V, 3), params)
+
+
 @functools.cache
 def spec_samples(drafter_name: str, gamma: int, seed: int, new: int = NEW):
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
-                "ngram": NgramDrafter}
+                "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads}
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
     # for 65,536 rows, several seconds less per call.
@@ -93,10 +110,12 @@ def spec_samples(drafter_name: str, gamma: int, seed: int, new: int = NEW):
 
 
 # (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
-CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3)]
+CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
+         ("medusa", 3, 16, 4)]
 
 
-@pytest.mark.parametrize("drafter, gamma, seed, new", CASES, ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2"])
+@pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
+                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))

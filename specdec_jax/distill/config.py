@@ -13,8 +13,13 @@ from typing import Any
 from specdec_jax.config import read_yaml
 
 
+KINDS = ("model", "eagle", "medusa")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    # what to train: a standalone draft model, an EAGLE head or Medusa heads (specdec_jax.distill.kinds)
+    kind: str = "model"
     # target and data
     target: str = "smollm2-135m"
     prompts_file: str | None = None  # JSONL with question_id/turns (Spec-Bench form); None: Spec-Bench
@@ -26,6 +31,7 @@ class TrainConfig:
     gen_batch_size: int = 16
     teacher_top_k: int = 16  # the loss matches the target's law on its top-k tokens
     seq_len: int = 256  # training windows (the last seq_len tokens of each prompt + answer)
+    answers: bool = True  # eagle/medusa: train on prompt + the target's answer (False: prompt text only)
     # draft architecture (None: the target's value)
     num_layers: int = 2
     hidden_size: int | None = None
@@ -35,6 +41,12 @@ class TrainConfig:
     head_dim: int | None = None
     draft_vocab: int = 8192  # output ids kept (most frequent in the training data); 0: the full vocabulary
     init: str = "target"  # "target": copy embedding, final norm, head rows and the first layers; "random"
+    # eagle and medusa heads
+    feature_layers: tuple[int, ...] = (-1,)  # target hidden states the EAGLE head reads (-1: final norm)
+    medusa_heads: int = 4  # K heads, head k proposing the token k + 1 ahead
+    feature_noise: float = 0.1  # eagle: Gaussian noise on input features, relative to their RMS
+    regression_weight: float = 1.0  # eagle: smooth-L1 feature regression (final-norm features only)
+    ce_weight: float = 0.1  # eagle: cross-entropy against the target's law
     # optimisation (AdamW, linear warmup then cosine decay, global-norm clipping)
     steps: int = 300
     batch_size: int = 16
@@ -63,6 +75,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be null or an int >= 1, got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "feature_layers", _layers(self.feature_layers))
+        if not isinstance(self.medusa_heads, int) or self.medusa_heads < 1:
+            raise ValueError(f"medusa_heads must be an int >= 1, got {self.medusa_heads!r}")
+        if self.feature_noise < 0 or self.regression_weight < 0 or self.ce_weight < 0:
+            raise ValueError("feature_noise, regression_weight and ce_weight must be >= 0")
         if self.init not in ("target", "random"):
             raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
         if not self.learning_rate > 0 or self.weight_decay < 0 or not self.clip_norm > 0:
@@ -71,7 +90,23 @@ class TrainConfig:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+
+def _layers(value) -> tuple[int, ...]:
+    """feature_layers from YAML (a list, or one int) or a flag ("-1" or "3,15,-1")."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    value = [value] if isinstance(value, int) else list(value)
+    try:
+        layers = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"feature_layers must be layer indices, got {value!r}") from None
+    if not layers or len(set(layers)) != len(layers) or min(layers) < -1:
+        raise ValueError(f"feature_layers must be distinct indices >= -1, got {list(layers)}")
+    return layers
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -13,6 +13,13 @@ ones. Arrays of a :class:`Dataset` (N windows, S = seq_len, k = teacher_top_k)::
     top_ids   i32[N,S,k] target's top-k ids for the token after position s
     top_logp  f32[N,S,k] their log-probs (temperature 1)
     weight    f32[N,S]   1 where the token after position s is an answer token, else 0
+    features  f16[N,S,L,H] or None: the target's hidden states of L layers at each position
+
+:func:`build_feature_dataset` (EAGLE and Medusa heads) runs teacher-forced
+target passes instead, which are prefill-shaped: over the prompt (and, with
+`answers`, the target's greedy answer, decoded once), it stores the features
+of `feature_layers` and the top-k law at every position; `weight` is 1 wherever
+a next token exists.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import pathlib
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -33,14 +42,19 @@ class Dataset(NamedTuple):
     top_ids: np.ndarray
     top_logp: np.ndarray
     weight: np.ndarray
+    features: np.ndarray | None = None
 
     def save(self, path: pathlib.Path) -> None:
-        np.savez(path, **self._asdict())
+        np.savez(path, **{k: v for k, v in self._asdict().items() if v is not None})
 
     @classmethod
     def load(cls, path: pathlib.Path) -> Dataset:
         with np.load(path) as f:
-            return cls(**{name: f[name] for name in cls._fields})
+            return cls(**{name: f[name] for name in cls._fields if name in f.files})
+
+    def batch(self, index: np.ndarray) -> dict:
+        """{field: array[index]} of the fields present."""
+        return {name: value[index] for name, value in self._asdict().items() if value is not None}
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -64,14 +78,20 @@ def training_prompts(train: list[dict], limit: int = 0) -> list[dict]:
     return records[:limit] if limit else records
 
 
-def build_dataset(target, tc: TrainConfig, records: list[dict], progress: bool = True) -> Dataset:
-    """Greedy answers of `target` to `records` with its top-k law, cut into training windows."""
-    tok = target.tokenizer
-    encoded = sorted((encode(tok, r["prompt"], raw=False) for r in records), key=len)  # similar lengths batch well
+def encoded_prompts(target, tc: TrainConfig, records: list[dict]) -> list[list[int]]:
+    """Token ids of the records' prompts (chat template), shortest first, at most max_prompt_tokens long."""
+    encoded = sorted((encode(target.tokenizer, r["prompt"], raw=False) for r in records), key=len)
     if tc.max_prompt_tokens:
         encoded = [p for p in encoded if len(p) <= tc.max_prompt_tokens]
     if not encoded:
         raise ValueError(f"no prompt of at most max_prompt_tokens = {tc.max_prompt_tokens} tokens")
+    return encoded
+
+
+def build_dataset(target, tc: TrainConfig, records: list[dict], progress: bool = True) -> Dataset:
+    """Greedy answers of `target` to `records` with its top-k law, cut into training windows."""
+    tok = target.tokenizer
+    encoded = encoded_prompts(target, tc, records)  # similar lengths batch well
     k, width = tc.teacher_top_k, tc.seq_len
     tokens = np.zeros((len(encoded), width), np.int32)
     top_ids = np.zeros((len(encoded), width, k), np.int32)
@@ -96,6 +116,54 @@ def build_dataset(target, tc: TrainConfig, records: list[dict], progress: bool =
             top_logp[i, pos[keep]] = logp[keep]
             weight[i, pos[keep]] = 1.0
     return Dataset(tokens, top_ids, top_logp, weight)
+
+
+def build_feature_dataset(target, tc: TrainConfig, records: list[dict], layers: tuple[int, ...],
+                          progress: bool = True) -> Dataset:
+    """Teacher-forced target passes over each prompt (+ the target's greedy answer with `answers`):
+    features of target `layers` and the top-k law at every position of the last seq_len tokens."""
+    encoded = encoded_prompts(target, tc, records)
+    if tc.answers:
+        answers = []
+        for start in tqdm(range(0, len(encoded), tc.gen_batch_size), desc="target answers", unit="batch",
+                          disable=not progress):
+            chunk = encoded[start : start + tc.gen_batch_size]
+            answers += engine.generate(target, chunk, None, gamma=0, max_new_tokens=tc.gen_max_new_tokens,
+                                       stop_ids=target.tokenizer.stop_ids).tokens
+        encoded = [p + a for p, a in zip(encoded, answers)]
+    width, k = tc.seq_len, tc.teacher_top_k
+    model, params = target.as_target()
+    tokens = np.zeros((len(encoded), width), np.int32)
+    lengths = np.zeros(len(encoded), np.int32)
+    for i, sequence in enumerate(encoded):
+        window = sequence[-width:]
+        tokens[i, : len(window)], lengths[i] = window, len(window)
+    teacher = _teacher_pass(model, layers, k)
+    features = np.zeros((len(encoded), width, len(layers), model.hidden_size), np.float16)
+    top_ids = np.zeros((len(encoded), width, k), np.int32)
+    top_logp = np.zeros((len(encoded), width, k), np.float32)
+    for start in tqdm(range(0, len(encoded), tc.gen_batch_size), desc="teacher-forced features", unit="batch",
+                      disable=not progress):
+        stop = min(start + tc.gen_batch_size, len(encoded))
+        rows = np.zeros((tc.gen_batch_size, width), np.int32)  # one compiled shape
+        rows[: stop - start] = tokens[start:stop]
+        f, ids, logp = jax.device_get(teacher(params, rows))
+        features[start:stop], top_ids[start:stop], top_logp[start:stop] = f[: stop - start], ids[: stop - start], \
+            logp[: stop - start]
+    weight = (np.arange(width)[None, :] < lengths[:, None] - 1).astype(np.float32)  # a next token exists
+    return Dataset(tokens, top_ids, top_logp, weight, features)
+
+
+def _teacher_pass(model, layers: tuple[int, ...], k: int):
+    """jitted (params, tokens i32[B,S]) -> (features f16[B,S,L,H], top ids i32[B,S,k], top log-probs f32[B,S,k])."""
+    def run(params, tokens):
+        batch, width = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
+        logits, hidden, _ = model.apply(params, tokens, model.init_cache(batch, width), positions, None, layers)
+        logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+        return hidden.transpose(1, 2, 0, 3).astype(jnp.float16), ids, logp
+
+    return jax.jit(run)
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> np.ndarray:

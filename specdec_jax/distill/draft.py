@@ -73,27 +73,34 @@ def inverse_map(vocab_map: jax.Array | None, vocab_size: int) -> jax.Array:
     return jnp.full((vocab_size,), -1, jnp.int32).at[vocab_map].set(jnp.arange(vocab_map.shape[0], dtype=jnp.int32))
 
 
+def top_k_ce(logits: jax.Array, vocab_map: jax.Array | None, top_ids: jax.Array, top_logp: jax.Array,
+             vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """``(cross-entropy f32[...], agreement f32[...])`` of drafter logits ``f32[..., Vo]`` against the
+    target's top-k law (``top_ids i32[..., k]``, ``top_logp f32[..., k]``) renormalised over the
+    ids the drafter can emit (same gradient as KL to that law); agreement is 1 where the
+    drafter's argmax is the target's."""
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    index = inverse_map(vocab_map, vocab_size)[top_ids]  # i32[..., k]
+    p = jnp.where(index >= 0, jnp.exp(top_logp), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-9)
+    ce = -jnp.sum(p * jnp.take_along_axis(logq, jnp.maximum(index, 0), axis=-1), axis=-1)
+    argmax = jnp.argmax(logq, axis=-1)
+    drafted = argmax if vocab_map is None else vocab_map[argmax]
+    return ce, (drafted == top_ids[..., 0]).astype(jnp.float32)
+
+
 def distill_loss(cfg: LlamaConfig, params: dict, batch: dict) -> tuple[jax.Array, dict]:
-    """Cross-entropy of the draft against the target's top-k law, renormalised over the ids the
-    draft can emit, averaged over answer positions (same gradient as KL to that law).
+    """Cross-entropy of the draft against the target's top-k law (`top_k_ce`), averaged over answer
+    positions.
 
     batch: tokens i32[B,S], top_ids i32[B,S,k], top_logp f32[B,S,k], weight f32[B,S].
     Returns (loss, {"loss", "agreement"}): agreement = share of weighted positions where the
     draft's argmax is the target's argmax (greedy acceptance of a draft given an accepted prefix).
     """
     tokens = batch["tokens"]
-    cache = cfg.init_cache(tokens.shape[0], tokens.shape[1])
-    logits, _ = forward(cfg, params, tokens, cache)  # f32[B,S,Vo]
-    logq = jax.nn.log_softmax(logits, axis=-1)
-    index = inverse_map(params.get("vocab_map"), cfg.vocab_size)[batch["top_ids"]]  # i32[B,S,k]
-    inside = index >= 0
-    p = jnp.where(inside, jnp.exp(batch["top_logp"]), 0.0)
-    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-9)
-    ce = -jnp.sum(p * jnp.take_along_axis(logq, jnp.maximum(index, 0), axis=-1), axis=-1)  # f32[B,S]
+    logits, _ = forward(cfg, params, tokens, cfg.init_cache(tokens.shape[0], tokens.shape[1]))  # f32[B,S,Vo]
+    ce, agree = top_k_ce(logits, params.get("vocab_map"), batch["top_ids"], batch["top_logp"], cfg.vocab_size)
     weight = batch["weight"]
     total = jnp.maximum(weight.sum(), 1.0)
     loss = jnp.sum(ce * weight) / total
-    argmax = jnp.argmax(logq, axis=-1)
-    draft_top = argmax if params.get("vocab_map") is None else params["vocab_map"][argmax]
-    agreement = jnp.sum((draft_top == batch["top_ids"][..., 0]) * weight) / total
-    return loss, {"loss": loss, "agreement": agreement}
+    return loss, {"loss": loss, "agreement": jnp.sum(agree * weight) / total}

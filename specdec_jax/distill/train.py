@@ -2,12 +2,17 @@
 
 Layout of the output folder OUT::
 
-    data/train.npz, data/heldout.npz   distillation data (built once; see distill.data)
+    data/train.npz, data/heldout.npz   distillation data (built once; see distill.data): decoded
+                                       answers (kind model) or teacher-forced features (eagle, medusa)
     checkpoints/<step>/                orbax CheckpointManager: trainable weights, optimizer
                                        state, and meta (step, config, data position)
     log.jsonl                          one line per step: loss, agreement, tokens/s; eval lines
     training_curve.png                 training loss and held-out agreement against step
-    draft/                             the final draft: `--draft-model OUT/draft` anywhere
+    draft/ or head/                    the result: `--draft-model OUT/draft` (kind model) or
+                                       `--drafter eagle|medusa --draft-model OUT/head`
+
+What differs between kinds (architecture, initialisation, frozen weights, loss,
+export) lives in `distill.kinds`; everything else is this one pipeline.
 
 The run is deterministic given the config: batches come from seeded
 permutations indexed by step (`distill.data.batch_indices`), so `--resume`
@@ -30,11 +35,10 @@ from tqdm import tqdm
 
 from specdec_jax.data import spec_bench_questions
 from specdec_jax.distill.config import TrainConfig
-from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, split_questions,
+from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, build_feature_dataset, split_questions,
                                       training_prompts, vocab_by_frequency)
-from specdec_jax.distill.draft import distill_loss, draft_config, frozen_names, init_draft
+from specdec_jax.distill.kinds import head_target_info, head_vocab, kind_of
 from specdec_jax.models import load_model
-from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.registry import LoadedModel
 
 
@@ -49,18 +53,18 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 @functools.cache
-def compiled(cfg: LlamaConfig, tc: TrainConfig):
-    """(optimizer, train_step, evaluate) of a draft config and train config, built once per process
+def compiled(setup, tc: TrainConfig):
+    """(optimizer, train_step, evaluate) of an architecture and train config, built once per process
     (a resumed run in the same process reuses the compiled step)."""
-    opt = optimizer(tc)
-    return opt, make_train_step(cfg, opt), make_eval(cfg, tc.batch_size)
+    opt, kind = optimizer(tc), kind_of(tc)
+    return opt, make_train_step(kind, setup, opt), make_eval(kind, setup, tc.batch_size)
 
 
-def make_train_step(cfg: LlamaConfig, opt: optax.GradientTransformation):
+def make_train_step(kind, setup, opt: optax.GradientTransformation):
     """jitted (trainable, opt_state, frozen, batch) -> (trainable, opt_state, metrics)."""
 
     def step(trainable, opt_state, frozen, batch):
-        grad_fn = jax.grad(lambda t: distill_loss(cfg, {**frozen, **t}, batch), has_aux=True)
+        grad_fn = jax.grad(lambda t: kind.loss(setup, {**frozen, **t}, batch, True), has_aux=True)
         grads, metrics = grad_fn(trainable)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, metrics
@@ -68,17 +72,17 @@ def make_train_step(cfg: LlamaConfig, opt: optax.GradientTransformation):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval(cfg: LlamaConfig, batch_size: int):
+def make_eval(kind, setup, batch_size: int):
     """jitted held-out metrics over a whole Dataset, in batches of `batch_size` windows."""
-    metrics = jax.jit(lambda params, batch: distill_loss(cfg, params, batch)[1])
+    metrics = jax.jit(lambda params, batch: kind.loss(setup, params, batch, False)[1])
 
     def evaluate(params, data: Dataset) -> dict:
-        totals, weight = {"loss": 0.0, "agreement": 0.0}, 0.0
+        totals, weight = {}, 0.0
         for start in range(0, len(data), batch_size):
-            batch = _batch(data, np.arange(start, min(start + batch_size, len(data))))
+            batch = data.batch(np.arange(start, min(start + batch_size, len(data))))
             w = float(batch["weight"].sum())
             for k, v in metrics(params, batch).items():
-                totals[k] += float(v) * w
+                totals[k] = totals.get(k, 0.0) + float(v) * w
             weight += w
         return {k: v / max(weight, 1.0) for k, v in totals.items()}
 
@@ -98,19 +102,18 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
         raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
     if not resume and manager.latest_step() is not None:
         raise ValueError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
-    target = load_model(tc.target)
+    target, kind = load_model(tc.target), kind_of(tc)
+    setup = kind.setup(target, tc)
     train_data, heldout_data = _datasets(target, tc, out, progress)
-    vocab_map = None
-    cfg = draft_config(target.config, tc)
-    if cfg.output_vocab_size is not None:
-        vocab_map = vocab_by_frequency(train_data, cfg.output_vocab_size, cfg.vocab_size,
-                                       list(target.tokenizer.stop_ids))
-    arrays = init_draft(cfg, target.config, target.model.arrays(), tc, vocab_map)
-    tokenizer = target.tokenizer
+    vocab_map, reduced = None, head_vocab(target, tc)
+    if reduced is not None:
+        vocab_map = vocab_by_frequency(train_data, reduced, target.config.vocab_size, list(target.tokenizer.stop_ids))
+    arrays = kind.init(setup, target, tc, vocab_map)
+    tokenizer, target_info = target.tokenizer, head_target_info(target)
     del target
-    frozen = {k: jnp.asarray(v) for k, v in arrays.items() if k in frozen_names(tc)}
-    trainable = {k: jnp.asarray(v) for k, v in arrays.items() if k not in frozen_names(tc)}
-    opt, train_step, evaluate = compiled(cfg, tc)
+    frozen = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items() if k in kind.frozen(tc)}
+    trainable = {k: jnp.asarray(v) for k, v in arrays.items() if k not in kind.frozen(tc)}
+    opt, train_step, evaluate = compiled(setup, tc)
     opt_state = opt.init(trainable)
     start = 0
     if resume:
@@ -121,7 +124,8 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
     bar = tqdm(range(start, last), desc="train-draft", unit="step", disable=not progress, initial=start,
                total=tc.steps)
     for step in bar:
-        batch = _batch(train_data, batch_indices(len(train_data), tc.batch_size, step, tc.seed))
+        batch = {**train_data.batch(batch_indices(len(train_data), tc.batch_size, step, tc.seed)),
+                 "step": np.int32(step)}
         tick = time.perf_counter()
         trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -139,10 +143,11 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
     done = last == tc.steps
     summary = {"steps": last, "finished": done, "out": str(out)}
     if done:
-        params = {k: np.asarray(v) for k, v in {**frozen, **trainable}.items()}
         heldout = evaluate({**frozen, **trainable}, heldout_data)
-        draft = LoadedModel(Llama.from_arrays(cfg, params), cfg, tokenizer)
-        summary.update(heldout=heldout, draft=str(_export(out, draft, tc, heldout)))
+        params = jax.tree.map(np.asarray, {**frozen, **trainable})
+        info = {"kind": tc.kind, "target": tc.target, "train_config": tc.to_dict(), "heldout": heldout}
+        path = kind.export(out, setup, params, tokenizer, target_info, info)
+        summary.update(heldout=heldout, draft=str(path))
         plot_training(out / "log.jsonl", out / "training_curve.png")
     return summary
 
@@ -157,19 +162,16 @@ def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress:
     train_q, heldout_q = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     train_records = training_prompts(train_q, tc.max_train_prompts)
     heldout_records = [{"id": str(q["question_id"]), "prompt": q["turns"][0]} for q in heldout_q][: tc.eval_prompts]
-    datasets = []
+    datasets, layers = [], kind_of(tc).data_layers(tc)
     for records, path in zip((train_records, heldout_records), paths):
-        data = build_dataset(target, tc, records, progress)
+        data = (build_dataset(target, tc, records, progress) if layers is None
+                else build_feature_dataset(target, tc, records, layers, progress))
         data.save(path)
         datasets.append(data)
     (folder / "split.json").write_text(json.dumps(
         {"heldout_per_category": tc.heldout_per_category, "train_ids": sorted({q["question_id"] for q in train_q}),
          "heldout_ids": sorted(q["question_id"] for q in heldout_q)}))
     return datasets[0], datasets[1]
-
-
-def _batch(data: Dataset, index: np.ndarray) -> dict:
-    return {name: getattr(data, name)[index] for name in Dataset._fields}
 
 
 def _checkpoint_manager(out: pathlib.Path, tc: TrainConfig) -> ocp.CheckpointManager:
@@ -209,13 +211,6 @@ def _truncate_log(path: pathlib.Path, step: int) -> None:
     if path.is_file():
         lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in lines))
-
-
-def _export(out: pathlib.Path, draft: LoadedModel, tc: TrainConfig, heldout: dict) -> pathlib.Path:
-    from specdec_jax.models.loading import save_model_dir
-
-    info = {"kind": "distilled draft", "target": tc.target, "train_config": tc.to_dict(), "heldout": heldout}
-    return save_model_dir(out / "draft", draft, info)
 
 
 def plot_training(log_path: pathlib.Path, png: pathlib.Path) -> None:

@@ -23,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
+from specdec_jax.drafters.chain import draw_chain
 from specdec_jax.models.llama import LlamaConfig, forward
-from specdec_jax.rng import Purpose, for_purpose
-from specdec_jax.sampling import PenaltyCounts, RowSampling, process_logits
 from specdec_jax.sharding import check_model_axis
 
 
@@ -66,43 +64,13 @@ class ModelDrafter(DrafterBase):
         window = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
         logits, cache = forward(self.config, params, window, cache.with_lengths(start))
         logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo]
-        vocab_map = params.get("vocab_map")  # i32[Vo] target id of each logit; None: Vo = V, the identity
-        counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
-        if ctx.sampling.use_penalties:
-            counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, self.config.vocab_size)
-            counts = counts if vocab_map is None else counts.take(vocab_map)
-        keep_probs = ctx.sampling.any_sampled and self.corrupt_alpha is None
 
-        def pick(logits, counts, step):
-            law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
-            keys = ctx.keys[:, step]  # key[B] of this draft's position
-            index = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the draft's Vo ids
-            token = index if vocab_map is None else vocab_map[index]
-            if self.corrupt_alpha is not None:
-                token = _corrupt(keys, token, self.corrupt_alpha, self.config.vocab_size)
-            if counts is not None:  # counts are over the draft's ids
-                counts = counts.add(index)
-            return token, (law if keep_probs else None), counts
+        def feed(cache, token, index):  # draft index + 1 at slot n + 1 + index
+            logits, cache = forward(self.config, params, token[:, None], cache.with_lengths(n + 1 + index))
+            return logits[:, 0], cache
 
-        def step(carry, index):
-            logits, counts, cache = carry
-            token, law, counts = pick(logits, counts, index)
-            next_logits, cache = forward(self.config, params, token[:, None], cache.with_lengths(n + 1 + index))
-            return (next_logits[:, 0], counts, cache), (token, law)
-
-        (logits, counts, cache), (tokens, laws) = jax.lax.scan(
-            step, (logits, counts, cache), jnp.arange(gamma - 1)
-        )
-        last, last_law, _ = pick(logits, counts, gamma - 1)
-        drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
-        probs = None
-        if keep_probs:
-            probs = jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)  # f32[B,G,Vo]
-            if vocab_map is not None:
-                full = jnp.zeros(probs.shape[:2] + (self.config.vocab_size,), probs.dtype)
-                probs = full.at[:, :, vocab_map].set(probs)
-        num_draft = jnp.full((drafts.shape[0],), gamma, jnp.int32)
-        return Proposal(drafts.astype(jnp.int32), num_draft, probs), cache
+        return draw_chain(ctx, gamma, logits, feed, cache, self.config.vocab_size, params.get("vocab_map"),
+                          self.corrupt_alpha)
 
 
 def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:
@@ -110,19 +78,3 @@ def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> M
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"oracle alpha must be in [0, 1], got {alpha}")
     return ModelDrafter(target_config, target_params, corrupt_alpha=float(alpha), name="oracle")
-
-
-def _draw(keys, law, sampling: RowSampling):
-    """i32[B]: argmax for greedy rows, a draw from `law` f32[B,V] for sampled rows."""
-    greedy = jnp.argmax(law, axis=-1)
-    if not sampling.any_sampled:
-        return greedy.astype(jnp.int32)
-    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(law))
-    return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
-
-
-def _corrupt(keys, token, alpha: float, vocab: int):
-    """Keep each token with probability alpha, else replace it by a uniformly wrong one."""
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(for_purpose(keys, Purpose.CORRUPT_KEEP))
-    offset = jax.vmap(lambda k: jax.random.randint(k, (), 1, vocab))(for_purpose(keys, Purpose.CORRUPT_TOKEN))
-    return jnp.where(keep, token, (token + offset) % vocab).astype(jnp.int32)

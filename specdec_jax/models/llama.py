@@ -257,17 +257,33 @@ def apply(
     ``FINAL_NORM`` (-1). The layer loop is unrolled (a ``lax.scan`` would slice,
     hence copy, every weight each step).
     """
-    batch, steps = tokens.shape
     for layer in hidden_layers:
         if not (layer == FINAL_NORM or 0 <= layer < cfg.num_layers):
             raise ValueError(f"hidden layer {layer} is not in 0..{cfg.num_layers - 1} or FINAL_NORM (-1)")
+    x, after_layer, cache = run_layers(cfg, params, params["embed"][tokens], cache, positions, block_mask)
+    normed = None
+    if compute_logits or FINAL_NORM in hidden_layers:
+        normed = after_layer[FINAL_NORM] = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    hidden = jnp.stack([after_layer[l].astype(jnp.float32) for l in hidden_layers]) if hidden_layers else None
+    if not compute_logits:
+        return None, hidden, cache
+    return lm_head(cfg, params, normed), hidden, cache
+
+
+def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, cache: KVCache,
+               positions: jax.Array, block_mask: jax.Array | None = None) -> tuple[jax.Array, dict, KVCache]:
+    """The decoder layers over input states ``x: f32[B,S,H]`` (semantics of :func:`apply`).
+
+    Returns ``(x after the last layer, {layer index: its residual stream f32[B,S,H]}, cache)``.
+    Also the body of a one-layer drafter head that feeds its own inputs (EAGLE).
+    """
+    batch, steps = x.shape[:2]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
 
     def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
         return y.reshape(batch, steps, num, cfg.head_dim)
 
-    x = params["embed"][tokens]  # f32[B,S,H]
     after_layer = {}
     for index in range(cfg.num_layers):
         w = {name: params[name][index] for name in LAYER_PARAMS}
@@ -280,17 +296,16 @@ def apply(
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
         after_layer[index] = x
-    normed = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if compute_logits or FINAL_NORM in hidden_layers \
-        else None
-    after_layer[FINAL_NORM] = normed
-    hidden = jnp.stack([after_layer[l].astype(jnp.float32) for l in hidden_layers]) if hidden_layers else None
-    if not compute_logits:
-        return None, hidden, cache
+    return x, after_layer, cache
+
+
+def lm_head(cfg: LlamaConfig, params: Mapping[str, jax.Array], normed: jax.Array) -> jax.Array:
+    """f32[B,S,V] logits (``[B,S,Vo]`` with a reduced output vocabulary) of final-norm states ``[B,S,H]``."""
     if cfg.tie_embeddings:  # contract with embed [V, H] directly: `embed.T` gets copied inside loops
         logits = jnp.einsum("bsh,vh->bsv", normed, params["embed"])
     else:
         logits = normed @ params["lm_head"]
-    return logits.astype(jnp.float32), hidden, cache
+    return logits.astype(jnp.float32)
 
 
 def forward(
@@ -336,6 +351,12 @@ class LlamaTarget:
     def apply(self, params, tokens, cache, positions, block_mask=None, hidden_layers=(), *, compute_logits=True):
         return apply(self.config, params, tokens, cache, positions, block_mask, hidden_layers,
                      compute_logits=compute_logits)
+
+    def embed(self, params, tokens: jax.Array) -> jax.Array:
+        return params["embed"][tokens]
+
+    def logits_of(self, params, normed: jax.Array) -> jax.Array:
+        return lm_head(self.config, params, normed)
 
     def check_mesh(self, mesh) -> None:
         check_model_axis(mesh, self.config, "the target")

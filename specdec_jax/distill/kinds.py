@@ -1,0 +1,205 @@
+"""What `train-draft --kind` trains: a standalone draft model, an EAGLE head or Medusa heads.
+
+One pipeline (`distill.train`: data, AdamW, checkpoints, resume, evaluation,
+curve) serves every kind; a kind supplies only what differs:
+
+    data_layers(tc)              target hidden states the data stores (None: decoded answers, no features)
+    setup(target, tc)            the static architecture (hashable; the loss's first argument)
+    init(setup, target, tc, vocab_map) -> {name: array}, including the frozen ones
+    frozen(tc)                   names the optimizer leaves alone
+    loss(setup, params, batch, train) -> (loss, {"loss", "agreement", ...})
+    export(out, setup, params, tokenizer, target_info, info) -> path of what `--draft-model` loads
+
+`agreement` is the share of weighted positions where the drafter's first draft
+(given the real context) is the target's argmax: greedy acceptance at draft
+position 1. Data arrays are those of `distill.data.Dataset`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.distill.config import TrainConfig
+from specdec_jax.distill.draft import WIDTH_KEYS, distill_loss, draft_config, frozen_names, init_draft, top_k_ce
+from specdec_jax.drafters.eagle import EagleConfig, head_logits, head_pass, init_eagle, project
+from specdec_jax.drafters.heads import save_head
+from specdec_jax.drafters.medusa import MedusaConfig, init_medusa, medusa_logits
+from specdec_jax.models.llama import Llama, LlamaTarget
+from specdec_jax.models.registry import LoadedModel
+from specdec_jax.target import FINAL_NORM
+
+
+def head_vocab(target, tc: TrainConfig) -> int | None:
+    return tc.draft_vocab if 0 < tc.draft_vocab < target.config.vocab_size else None
+
+
+def target_head_rows(target) -> np.ndarray:
+    """f32[H,V]: the target's LM head."""
+    arrays = target.model.arrays()
+    return arrays["embed"].T if target.config.tie_embeddings else arrays["lm_head"]
+
+
+def shared_target_weights(target) -> dict:
+    """The target weights a head's loss reads through `TargetModel.embed` / `logits_of`."""
+    arrays = target.model.arrays()
+    return {name: arrays[name] for name in ("embed", "lm_head") if name in arrays}
+
+
+def head_target_info(target) -> dict:
+    cfg = target.config
+    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers}
+
+
+class ModelKind:
+    """A standalone draft model distilled on the target's answers (`distill.draft`)."""
+
+    name = "model"
+
+    def data_layers(self, tc):
+        return None
+
+    def setup(self, target, tc):
+        return draft_config(target.config, tc)
+
+    def init(self, cfg, target, tc, vocab_map):
+        return init_draft(cfg, target.config, target.model.arrays(), tc, vocab_map)
+
+    def frozen(self, tc):
+        return frozen_names(tc)
+
+    def loss(self, cfg, params, batch, train):
+        return distill_loss(cfg, params, batch)
+
+    def export(self, out, cfg, params, tokenizer, target_info, info):
+        from specdec_jax.models.loading import save_model_dir
+
+        model = LoadedModel(Llama.from_arrays(cfg, params), cfg, tokenizer)
+        return save_model_dir(out / "draft", model, {"kind": "distilled draft", **info})
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSetup:
+    head: EagleConfig | MedusaConfig
+    target: LlamaTarget  # for the shared embedding and LM head
+    noise: float = 0.0  # eagle: feature noise (relative to the features' RMS) while training
+    regression_weight: float = 1.0
+    ce_weight: float = 0.1
+
+
+class EagleKind:
+    """An EAGLE head (`drafters.eagle`): input j = fc(embed(token j+1), feature j), output h_j ~ feature j+1.
+
+    Loss: regression_weight * smooth-L1(h_j, final-norm feature of j+1) (with final-norm features
+    only) + ce_weight * cross-entropy of logits(h_j) against the target's law at j+1, over the
+    windows' positions; input features get Gaussian noise while training (EAGLE's robustness to
+    its own, imperfect features when drafting).
+    """
+
+    name = "eagle"
+
+    def data_layers(self, tc):
+        return tc.feature_layers
+
+    def setup(self, target, tc):
+        cfg = target.config
+        widths = {k: getattr(tc, k) or getattr(cfg, k) for k in WIDTH_KEYS}
+        if widths["hidden_size"] != cfg.hidden_size:
+            raise ValueError("an EAGLE head works at the target's hidden size: leave hidden_size null")
+        del widths["hidden_size"]
+        head = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, feature_layers=tc.feature_layers,
+                           output_vocab_size=head_vocab(target, tc), rope_theta=cfg.rope_theta,
+                           rms_norm_eps=cfg.rms_norm_eps, **widths)
+        return HeadSetup(head, LlamaTarget(cfg), tc.feature_noise, tc.regression_weight, tc.ce_weight)
+
+    def init(self, setup, target, tc, vocab_map):
+        arrays = init_eagle(setup.head, jax.random.key(tc.seed), target_head_rows(target), vocab_map)
+        return {**arrays, "target": shared_target_weights(target)}
+
+    def frozen(self, tc):
+        return ("vocab_map", "target")
+
+    def loss(self, setup, params, batch, train):
+        cfg, target = setup.head, setup.target
+        tokens, weight = batch["tokens"], batch["weight"][:, 1:]  # input j predicts position j + 1's law
+        features = batch["features"].astype(jnp.float32)  # f32[B,S,k,H]
+        inputs = project(cfg, params, features)
+        if train and setup.noise > 0:
+            key = jax.random.fold_in(jax.random.key(0), batch["step"])
+            rms = jnp.sqrt(jnp.mean(inputs * inputs, axis=-1, keepdims=True))
+            inputs = inputs + setup.noise * rms * jax.random.normal(key, inputs.shape)
+        batch_size, width = tokens.shape[0], tokens.shape[1] - 1
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch_size, width))
+        h, _ = head_pass(cfg, params, target, params["target"], tokens[:, 1:], inputs[:, :-1],
+                         cfg.layer.init_cache(batch_size, width), positions)
+        logits = head_logits(cfg, params, target, params["target"], h)
+        ce, agree = top_k_ce(logits, params.get("vocab_map"), batch["top_ids"][:, 1:], batch["top_logp"][:, 1:],
+                             cfg.vocab_size)
+        total = jnp.maximum(weight.sum(), 1.0)
+        ce = jnp.sum(ce * weight) / total
+        loss = setup.ce_weight * ce
+        metrics = {"ce": ce, "agreement": jnp.sum(agree * weight) / total}
+        if cfg.feature_layers == (FINAL_NORM,):
+            error = jnp.abs(h - features[:, 1:, 0])
+            smooth = jnp.where(error < 1.0, 0.5 * error**2, error - 0.5).mean(-1)
+            regression = jnp.sum(smooth * weight) / total
+            loss = loss + setup.regression_weight * regression
+            metrics["regression"] = regression
+        return loss, {"loss": loss, **metrics}
+
+    def export(self, out, setup, params, tokenizer, target_info, info):
+        arrays = {k: v for k, v in params.items() if k != "target"}
+        return save_head(out / "head", self.name, setup.head, arrays, target_info, info)
+
+
+class MedusaKind:
+    """Medusa heads (`drafters.medusa`): head k on the final-norm feature of position j, trained by
+    cross-entropy against the target's law at position j + k (the token k + 1 ahead)."""
+
+    name = "medusa"
+
+    def data_layers(self, tc):
+        return (FINAL_NORM,)
+
+    def setup(self, target, tc):
+        cfg = target.config
+        head = MedusaConfig(cfg.hidden_size, cfg.vocab_size, tc.medusa_heads, head_vocab(target, tc))
+        return HeadSetup(head, LlamaTarget(cfg))
+
+    def init(self, setup, target, tc, vocab_map):
+        return {**init_medusa(setup.head, target_head_rows(target), vocab_map), "target": shared_target_weights(target)}
+
+    def frozen(self, tc):
+        return ("vocab_map", "target")
+
+    def loss(self, setup, params, batch, train):
+        cfg = setup.head
+        features = batch["features"][:, :, 0].astype(jnp.float32)  # f32[B,S,H]
+        logits = medusa_logits(cfg, params, setup.target, params["target"], features)  # f32[K,B,S,Vo]
+        width = features.shape[1]
+        losses, agreements = [], []
+        for k in range(1, cfg.num_heads + 1):  # head k at position j: the law at position j + k
+            weight = batch["weight"][:, k:]
+            ce, agree = top_k_ce(logits[k - 1][:, : width - k], params.get("vocab_map"), batch["top_ids"][:, k:],
+                                 batch["top_logp"][:, k:], cfg.vocab_size)
+            total = jnp.maximum(weight.sum(), 1.0)
+            losses.append(jnp.sum(ce * weight) / total)
+            agreements.append(jnp.sum(agree * weight) / total)
+        loss = jnp.mean(jnp.stack(losses))
+        return loss, {"loss": loss, "agreement": agreements[0],
+                      **{f"agreement_head{k + 1}": a for k, a in enumerate(agreements)}}
+
+    def export(self, out, setup, params, tokenizer, target_info, info):
+        arrays = {k: v for k, v in params.items() if k != "target"}
+        return save_head(out / "head", self.name, setup.head, arrays, target_info, info)
+
+
+KINDS = {kind.name: kind for kind in (ModelKind(), EagleKind(), MedusaKind())}
+
+
+def kind_of(tc: TrainConfig):
+    return KINDS[tc.kind]
+

@@ -1,0 +1,88 @@
+"""Drawing a chain of drafts from a drafter's logits, one position after another.
+
+Every drafter that samples from its own law (a draft model, an EAGLE head,
+Medusa heads) does the same at each draft position: process its logits with
+the row's sampling settings (the transforms the target's law goes through,
+penalties counted over the committed tokens and the earlier drafts), draw with
+the key of that position (`rng.Purpose.DRAFT`; greedy rows take the argmax), map
+a reduced output vocabulary back to target ids, and keep the law as q. Only how
+the logits of the next position arise differs: `draw_chain` takes that as a
+function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.drafters.base import DraftContext, Proposal
+from specdec_jax.rng import Purpose, for_purpose
+from specdec_jax.sampling import PenaltyCounts, RowSampling, process_logits
+
+# (carry, token i32[B], index i32[]) -> (logits f32[B,Vo] of draft index + 2, carry): feeds draft index + 1
+NextLogits = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
+               vocab_size: int, vocab_map: jax.Array | None = None,
+               corrupt_alpha: float | None = None) -> tuple[Proposal, Any]:
+    """``(Proposal with gamma drafts per row, carry)``.
+
+    first_logits: f32[B,Vo] the drafter's logits of draft 1; next_logits feeds each drawn
+      draft (a `lax.scan` of gamma - 1 steps) and returns the logits of the next one.
+    vocab_map: i32[Vo] target id of each logit (a reduced output vocabulary); None: Vo = V.
+    corrupt_alpha: the oracle's corruption (drafts kept with probability alpha, q a point mass).
+    """
+    counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
+    if ctx.sampling.use_penalties:
+        counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)
+        counts = counts if vocab_map is None else counts.take(vocab_map)
+    keep_laws = ctx.sampling.any_sampled and corrupt_alpha is None
+
+    def pick(logits, counts, index):
+        law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
+        keys = ctx.keys[:, index]  # key[B] of this draft's position
+        drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
+        token = drawn if vocab_map is None else vocab_map[drawn]
+        if corrupt_alpha is not None:
+            token = _corrupt(keys, token, corrupt_alpha, vocab_size)
+        if counts is not None:  # counts are over the drafter's ids
+            counts = counts.add(drawn)
+        return token, (law if keep_laws else None), counts
+
+    def step(state, index):
+        logits, counts, carry = state
+        token, law, counts = pick(logits, counts, index)
+        logits, carry = next_logits(carry, token, index)
+        return (logits, counts, carry), (token, law)
+
+    (logits, counts, carry), (tokens, laws) = jax.lax.scan(
+        step, (first_logits, counts, carry), jnp.arange(gamma - 1))
+    last, last_law, _ = pick(logits, counts, gamma - 1)
+    drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
+    probs = None
+    if keep_laws:
+        probs = jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)  # f32[B,G,Vo]
+        if vocab_map is not None:
+            probs = jnp.zeros(probs.shape[:2] + (vocab_size,), probs.dtype).at[:, :, vocab_map].set(probs)
+    num_draft = jnp.full((drafts.shape[0],), gamma, jnp.int32)
+    return Proposal(drafts.astype(jnp.int32), num_draft, probs), carry
+
+
+def _draw(keys, law, sampling: RowSampling):
+    """i32[B]: argmax for greedy rows, a draw from `law` f32[B,V] for sampled rows."""
+    greedy = jnp.argmax(law, axis=-1)
+    if not sampling.any_sampled:
+        return greedy.astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(law))
+    return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
+
+
+def _corrupt(keys, token, alpha: float, vocab: int):
+    """Keep each token with probability alpha, else replace it by a uniformly wrong one."""
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(for_purpose(keys, Purpose.CORRUPT_KEEP))
+    offset = jax.vmap(lambda k: jax.random.randint(k, (), 1, vocab))(for_purpose(keys, Purpose.CORRUPT_TOKEN))
+    return jnp.where(keep, token, (token + offset) % vocab).astype(jnp.int32)

@@ -1,0 +1,215 @@
+"""EAGLE-style drafting from the target's own features (DESIGN section 9).
+
+The head is one Llama decoder layer with its own KV cache. Its input at
+sequence position j is
+
+    fc(concat(embed(token_{j+1}), g_j)) + fc_bias
+
+where g_j is the target's feature of token j (`feature_layers`: the final-norm
+state, EAGLE-1; or several layers concatenated and projected by `feature_proj`,
+EAGLE-3) or, while drafting, the head's own output at j - 1 fed back. Its
+output h_j predicts the feature of token j + 1; the logits of token j + 2 are
+the LM head applied to h_j: the target's (`TargetModel.logits_of`) or a
+reduced draft vocabulary (`lm_head [H,Vo]`, `vocab_map i32[Vo]`; q is zero
+outside it). The target's embedding is shared, never copied.
+
+Head cache slot j holds the keys/values of input j. A round with `n` committed
+tokens (t0 at index n - 1) and `e` tokens emitted by the last round:
+
+1. one block pass of width gamma + 1 re-encodes slots n-1-e .. n-2 from the
+   target's real features of the tokens the last verify pass committed
+   (`DraftContext.features`), overwriting what the last round's drafting
+   guessed there; its output at slot n - 2 gives the logits of draft 1;
+2. gamma - 1 single steps feed draft i with the head's previous output at slot
+   n - 2 + i and give the logits of draft i + 1.
+
+In the first round (e = 0) the block re-encodes slot n - 2 from the prompt's
+feature kept by `init`. A row whose sequence is a single token has no feature
+yet and proposes nothing.
+
+Weights (H the target's hidden size, k = len(feature_layers), layer weights of
+one layer stacked as in `models.llama`)::
+
+    fc [2H, H], fc_bias [H], feature_proj [kH, H] (k > 1 only),
+    attn_norm .. w_down [1, ...], lm_head [H, Vo] + vocab_map [Vo] (reduced vocabulary only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
+from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.kv_cache import KVCache
+from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
+from specdec_jax.sharding import check_model_axis
+from specdec_jax.target import FINAL_NORM, TargetModel
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Static description of an EAGLE head for a target of width `hidden_size` and `vocab_size`."""
+
+    hidden_size: int  # H, the target's
+    vocab_size: int  # V, the target's
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    feature_layers: tuple[int, ...] = (FINAL_NORM,)  # target hidden states read (specdec_jax.target)
+    output_vocab_size: int | None = None  # None: the target's LM head; else a reduced vocabulary (vocab_map)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+        if not self.feature_layers or len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(f"feature_layers must be distinct layer indices, got {self.feature_layers}")
+        if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
+            raise ValueError(f"output_vocab_size must be in [1, {self.vocab_size}], got {self.output_vocab_size}")
+        self.layer  # noqa: B018 (validates the widths)
+
+    @property
+    def layer(self) -> LlamaConfig:
+        """The decoder layer as a one-layer LlamaConfig (its vocabulary fields are unused)."""
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                           rms_norm_eps=self.rms_norm_eps)
+
+
+def eagle_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight (module docstring)."""
+    h = cfg.hidden_size
+    shapes = {name: shape for name, shape in param_shapes(cfg.layer).items() if name not in
+              ("embed", "final_norm", "lm_head")}
+    shapes.update(fc=(2 * h, h), fc_bias=(h,))
+    if len(cfg.feature_layers) > 1:
+        shapes["feature_proj"] = (len(cfg.feature_layers) * h, h)
+    if cfg.output_vocab_size is not None:
+        shapes.update(lm_head=(h, cfg.output_vocab_size), vocab_map=(cfg.output_vocab_size,))
+    return shapes
+
+
+def init_eagle(cfg: EagleConfig, key: jax.Array, head_rows: np.ndarray | None = None,
+               vocab_map: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Random weights (the decoder layer as `models.llama.init_params`; fc and feature_proj
+    ~ N(0, 1/fan_in)); a reduced head copies `head_rows` (the target's LM head [H,V]) at `vocab_map`."""
+    layer = init_params(dataclasses.replace(cfg.layer, tie_embeddings=True), key)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)) + 1)
+    arrays = {}
+    for name, shape in eagle_shapes(cfg).items():
+        if name in layer:
+            arrays[name] = layer[name]
+        elif name == "fc_bias":
+            arrays[name] = np.zeros(shape, np.float32)
+        elif name in ("fc", "feature_proj"):
+            arrays[name] = (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
+    if cfg.output_vocab_size is not None:
+        if head_rows is None or vocab_map is None:
+            raise ValueError("a reduced output vocabulary needs the target's head rows and the vocab_map")
+        arrays["vocab_map"] = np.asarray(vocab_map, np.int32)
+        arrays["lm_head"] = np.ascontiguousarray(np.asarray(head_rows, np.float32)[:, arrays["vocab_map"]])
+    return arrays
+
+
+def project(cfg: EagleConfig, params, features: jax.Array) -> jax.Array:
+    """f32[..., H]: target features f32[..., k, H] in the head's input space."""
+    if len(cfg.feature_layers) == 1:
+        return features[..., 0, :]
+    return features.reshape(*features.shape[:-2], -1) @ params["feature_proj"]
+
+
+def head_pass(cfg: EagleConfig, params, target: TargetModel, target_params, tokens: jax.Array,
+              inputs: jax.Array, cache: KVCache, positions: jax.Array) -> tuple[jax.Array, KVCache]:
+    """``(h f32[B,S,H], cache)``: the head over ``tokens i32[B,S]`` (token j + 1 of each input j) and
+    ``inputs f32[B,S,H]`` (projected features or fed-back outputs) at slots ``cache.lengths + s``."""
+    x = jnp.concatenate([target.embed(target_params, tokens).astype(jnp.float32), inputs], axis=-1)
+    x = x @ params["fc"] + params["fc_bias"]
+    h, _, cache = run_layers(cfg.layer, params, x, cache, positions)
+    return h, cache
+
+
+def head_logits(cfg: EagleConfig, params, target: TargetModel, target_params, h: jax.Array) -> jax.Array:
+    """f32[..., Vo] logits of the token after the one whose feature ``h f32[..., H]`` predicts."""
+    if cfg.output_vocab_size is None:
+        return target.logits_of(target_params, h)
+    return (h @ params["lm_head"]).astype(jnp.float32)
+
+
+@flax.struct.dataclass
+class EagleState:
+    cache: KVCache  # the head's cache, one layer
+    last_feature: jax.Array  # f32[B,H] projected target feature of token n - 2 (for a round after e = 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(DrafterBase):
+    """Drafts with an EAGLE head (module docstring). params: the head's weights (not hashed)."""
+
+    config: EagleConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    name: str = "eagle"
+
+    @property
+    def reads_hidden(self) -> tuple[int, ...]:
+        return self.config.feature_layers
+
+    def check(self, target: TargetModel, mesh) -> None:
+        cfg = self.config
+        if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
+            raise ValueError(f"the EAGLE head was built for hidden size {cfg.hidden_size} and vocabulary "
+                             f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+        bad = [x for x in cfg.feature_layers if not (x == FINAL_NORM or 0 <= x < target.num_layers)]
+        if bad:
+            raise ValueError(f"the EAGLE head reads target layers {list(cfg.feature_layers)}; "
+                             f"the target has layers 0..{target.num_layers - 1} (and FINAL_NORM -1)")
+        if mesh is not None:
+            check_model_axis(mesh, cfg.layer, "the EAGLE head")
+
+    def init(self, params, prefill: PrefillContext) -> EagleState:
+        cfg, prompts = self.config, prefill.prompts
+        batch, width = prompts.shape
+        inputs = project(cfg, params, prefill.features)  # f32[B,P,H], input j pairs with token j + 1
+        following = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
+        cache = cfg.layer.init_cache(batch, prefill.capacity)
+        _, cache = head_pass(cfg, params, prefill.target, prefill.target_params, following, inputs, cache, positions)
+        last = jnp.take_along_axis(inputs, jnp.maximum(prefill.prompt_lens - 2, 0)[:, None, None], axis=1)[:, 0]
+        return EagleState(cache=cache, last_feature=last)
+
+    def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int):
+        cfg, target, target_params = self.config, ctx.target, ctx.target_params
+        n, emitted = ctx.num_tokens, ctx.last_emit
+        block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
+        start = jnp.maximum(n - 1 - block, 0)
+        column = jnp.arange(gamma + 1)[None, :]
+        index = jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1)
+        tokens = jnp.take_along_axis(ctx.tokens, index, axis=1)
+        fresh = emitted[:, None, None] >= 1
+        inputs = jnp.where(fresh, project(cfg, params, ctx.features), state.last_feature[:, None, :])
+        h, cache = head_pass(cfg, params, target, target_params, tokens, inputs, state.cache.with_lengths(start),
+                             start[:, None] + column)
+        h_last = jnp.take_along_axis(h, (block - 1)[:, None, None], axis=1)[:, 0]  # predicts token n - 1's feature
+        last_feature = jnp.where(fresh[:, 0], jnp.take_along_axis(inputs, (block - 1)[:, None, None], axis=1)[:, 0],
+                                 state.last_feature)
+
+        def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
+            cache, h_prev = carry
+            slot = n - 1 + step
+            h, cache = head_pass(cfg, params, target, target_params, token[:, None], h_prev[:, None],
+                                 cache.with_lengths(slot), slot[:, None])
+            return head_logits(cfg, params, target, target_params, h[:, 0]), (cache, h[:, 0])
+
+        first = head_logits(cfg, params, target, target_params, h_last)
+        proposal, (cache, _) = draw_chain(ctx, gamma, first, feed, (cache, h_last), cfg.vocab_size,
+                                          params.get("vocab_map"))
+        proposal = proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))
+        return proposal, EagleState(cache=cache, last_feature=last_feature)

@@ -1,0 +1,75 @@
+"""Trained drafter heads on disk (EAGLE, Medusa): `--drafter eagle|medusa --draft-model FOLDER`.
+
+A head folder holds `params/` (orbax) and `specdec_head.json`, written last:
+`{"kind", "config", "target", "info"}`, where `target` names the model it was
+trained on (`hidden_size`, `vocab_size`, `num_layers`). Loading checks the
+weights' names and shapes and the `vocab_map` (distinct ids inside the
+vocabulary); the drafter's `check` compares the rest with the target it runs
+against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, eagle_shapes
+from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_shapes
+
+HEAD_MARKER = "specdec_head.json"
+KINDS = {  # kind -> (config class, drafter class, shapes of the weights)
+    "eagle": (EagleConfig, EagleDrafter, eagle_shapes),
+    "medusa": (MedusaConfig, MedusaDrafter, medusa_shapes),
+}
+
+
+def save_head(folder: str | pathlib.Path, kind: str, config, arrays: dict, target: dict,
+              info: dict | None = None) -> pathlib.Path:
+    """Writes a head folder (module docstring); returns its resolved path."""
+    import orbax.checkpoint as ocp
+
+    folder = pathlib.Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / HEAD_MARKER).unlink(missing_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder / "params", {k: np.asarray(v) for k, v in arrays.items()}, force=True)
+    checkpointer.wait_until_finished()
+    marker = {"kind": kind, "config": dataclasses.asdict(config), "target": target, "info": info or {}}
+    (folder / HEAD_MARKER).write_text(json.dumps(marker, indent=1, default=lambda x: x.tolist()))
+    return folder
+
+
+def is_head_dir(path: str | pathlib.Path) -> bool:
+    return (pathlib.Path(path) / HEAD_MARKER).is_file()
+
+
+def load_head(path: str | pathlib.Path, kind: str | None = None):
+    """The drafter (`EagleDrafter` / `MedusaDrafter`) of a head folder; ValueError naming the folder
+    when it is missing, unreadable, of another kind than `kind`, or inconsistent."""
+    import orbax.checkpoint as ocp
+
+    folder = pathlib.Path(path).resolve()
+    if not is_head_dir(folder):
+        raise ValueError(f"{folder} is not a drafter head folder (no {HEAD_MARKER}); train one with "
+                         "specdec-jax train-draft --kind eagle|medusa")
+    try:
+        marker = json.loads((folder / HEAD_MARKER).read_text())
+        config_cls, drafter_cls, shapes = KINDS[marker["kind"]]
+        config = config_cls(**marker["config"])
+        arrays = {k: np.asarray(v) for k, v in ocp.StandardCheckpointer().restore(folder / "params").items()}
+    except Exception as err:  # orbax and json raise many kinds; name the folder
+        raise ValueError(f"{folder}: cannot read the head ({err.__class__.__name__}: {err})") from None
+    if kind is not None and marker["kind"] != kind:
+        raise ValueError(f"{folder} holds a {marker['kind']} head, not a {kind} head")
+    expected = shapes(config)
+    got = {k: tuple(v.shape) for k, v in arrays.items()}
+    if got != expected:
+        raise ValueError(f"{folder}: weights {got} do not match the config's {expected}")
+    if "vocab_map" in arrays:
+        ids = arrays["vocab_map"]
+        if len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise ValueError(f"{folder}: vocab_map must hold distinct ids in [0, {config.vocab_size})")
+    return drafter_cls(config, arrays)

@@ -1,0 +1,113 @@
+"""Medusa heads: K heads on the target's last final-norm feature, all drafts in one step.
+
+With `n` committed tokens, the newest feature the target has computed is the one
+of token n - 2 (the verify pass that emitted t0 = token n - 1 produced it; the
+target's own LM head already turned it into t0). Head k (1-based) reads that
+feature f and proposes token n - 2 + k + 1, the one k + 1 ahead of f's token:
+
+    h_k = f + silu(f @ w[k] + b[k])        logits_k = lm_head_k(h_k)
+
+lm_head_k is the head's own `lm_head[k] [H,Vo]` over a reduced vocabulary
+(`vocab_map i32[Vo]`; q is zero outside it), or the target's LM head when there
+is no reduced vocabulary. Draft k is drawn from head k's processed law, which
+conditions only on f: a valid proposal law, so verification stays exact. No
+serial draft pass runs; gamma must not exceed K.
+
+Weights: w [K,H,H], b [K,H], lm_head [K,H,Vo] + vocab_map [Vo] (reduced only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
+from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.target import FINAL_NORM, TargetModel
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaConfig:
+    hidden_size: int  # H, the target's
+    vocab_size: int  # V, the target's
+    num_heads: int  # K
+    output_vocab_size: int | None = None  # None: the target's LM head for every head
+
+    def __post_init__(self):
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
+            raise ValueError(f"output_vocab_size must be in [1, {self.vocab_size}], got {self.output_vocab_size}")
+
+
+def medusa_shapes(cfg: MedusaConfig) -> dict[str, tuple[int, ...]]:
+    k, h = cfg.num_heads, cfg.hidden_size
+    shapes = {"w": (k, h, h), "b": (k, h)}
+    if cfg.output_vocab_size is not None:
+        shapes.update(lm_head=(k, h, cfg.output_vocab_size), vocab_map=(cfg.output_vocab_size,))
+    return shapes
+
+
+def init_medusa(cfg: MedusaConfig, head_rows: np.ndarray | None = None,
+                vocab_map: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Medusa's initialisation: residual blocks at zero (every head starts as the base LM head) and
+    each head's output copied from the target's LM head `head_rows [H,V]` at `vocab_map`."""
+    k, h = cfg.num_heads, cfg.hidden_size
+    arrays = {"w": np.zeros((k, h, h), np.float32), "b": np.zeros((k, h), np.float32)}
+    if cfg.output_vocab_size is not None:
+        if head_rows is None or vocab_map is None:
+            raise ValueError("a reduced output vocabulary needs the target's head rows and the vocab_map")
+        arrays["vocab_map"] = np.asarray(vocab_map, np.int32)
+        rows = np.asarray(head_rows, np.float32)[:, arrays["vocab_map"]]
+        arrays["lm_head"] = np.ascontiguousarray(np.broadcast_to(rows, (k, *rows.shape)))
+    return arrays
+
+
+def medusa_logits(cfg: MedusaConfig, params, target: TargetModel, target_params, feature: jax.Array) -> jax.Array:
+    """f32[K,...,Vo]: every head's logits from final-norm features ``f32[..., H]``."""
+    h = feature[None] + jax.nn.silu(jnp.einsum("...h,kho->k...o", feature, params["w"])
+                                    + params["b"].reshape((params["b"].shape[0],) + (1,) * (feature.ndim - 1)
+                                                          + (-1,)))
+    if cfg.output_vocab_size is None:
+        return target.logits_of(target_params, h)
+    return jnp.einsum("k...h,kho->k...o", h, params["lm_head"]).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter(DrafterBase):
+    """Drafts with Medusa heads (module docstring). params: the heads' weights (not hashed)."""
+
+    config: MedusaConfig
+    params: Any = dataclasses.field(compare=False, repr=False)
+    name: str = "medusa"
+    reads_hidden: tuple[int, ...] = (FINAL_NORM,)
+
+    def check(self, target: TargetModel, mesh) -> None:
+        cfg = self.config
+        if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
+            raise ValueError(f"the Medusa heads were built for hidden size {cfg.hidden_size} and vocabulary "
+                             f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+
+    def init(self, params, prefill: PrefillContext) -> jax.Array:
+        """f32[B,H]: the final-norm feature of token n - 2 of the prompt (for the first round)."""
+        last = jnp.maximum(prefill.prompt_lens - 2, 0)
+        return jnp.take_along_axis(prefill.features[:, :, 0], last[:, None, None], axis=1)[:, 0]
+
+    def propose(self, params, last_feature: jax.Array, ctx: DraftContext, gamma: int):
+        if gamma > self.config.num_heads:
+            raise ValueError(f"gamma {gamma} exceeds the {self.config.num_heads} Medusa heads")
+        emitted = ctx.last_emit
+        newest = jnp.take_along_axis(ctx.features[:, :, 0], jnp.maximum(emitted - 1, 0)[:, None, None], axis=1)[:, 0]
+        feature = jnp.where((emitted >= 1)[:, None], newest, last_feature)  # f32[B,H] of token n - 2
+        logits = medusa_logits(self.config, params, ctx.target, ctx.target_params, feature)  # f32[K,B,Vo]
+
+        def next_head(carry, token, step):  # every head's logits are known: nothing is fed
+            return jax.lax.dynamic_index_in_dim(logits, step + 1, keepdims=False), carry
+
+        proposal, _ = draw_chain(ctx, gamma, logits[0], next_head, None, self.config.vocab_size,
+                                 params.get("vocab_map"))
+        return proposal._replace(num_draft=jnp.where(ctx.num_tokens >= 2, proposal.num_draft, 0)), feature

@@ -1,0 +1,108 @@
+"""EAGLE and Medusa heads on tiny-random: training lowers each loss, resume is exact, the split
+holds, a trained head loads by path and drafts losslessly, and mismatched heads are clear errors.
+
+The runs share the question file and shapes of tests/test_distill.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+import engine_helpers as H
+from specdec_jax import engine
+from specdec_jax.cli import main
+from specdec_jax.distill.train import train_draft
+from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, load_head
+from specdec_jax.drafters.eagle import init_eagle
+from specdec_jax.drafters.heads import save_head
+from specdec_jax.models import load_model
+from specdec_jax.sampling import SamplingParams
+from test_distill import STEPS, log_of, tiny_config
+
+KINDS = {"eagle": dict(kind="eagle", feature_layers=(1, -1), ce_weight=1.0), "medusa": dict(kind="medusa", medusa_heads=3)}
+
+
+@functools.cache
+def trained(kind: str, root: str):
+    folder = f"{root}/{kind}"
+    summary = train_draft(tiny_config(root, **KINDS[kind]), folder, progress=False)
+    return folder, summary
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("heads"))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_training_lowers_the_loss_and_keeps_heldout_ids_out(kind, root):
+    folder, summary = trained(kind, root)
+    log = log_of(pathlib.Path(folder))
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+    assert summary["finished"] and np.mean([r["loss"] for r in log[-2:]]) < 0.9 * log[0]["loss"], log
+    assert 0.0 <= summary["heldout"]["agreement"] <= 1.0
+    split = json.loads((pathlib.Path(folder) / "data" / "split.json").read_text())
+    assert split["heldout_ids"] == [6, 10] and not set(split["heldout_ids"]) & set(split["train_ids"])
+    with np.load(f"{folder}/data/train.npz") as data:  # teacher-forced features of the requested layers
+        layers = 2 if kind == "eagle" else 1
+        assert data["features"].shape[2:] == (layers, H.target().config.hidden_size)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kill_and_resume_gives_the_uninterrupted_parameters(kind, root, tmp_path):
+    folder, summary = trained(kind, root)
+    tc = tiny_config(root, **KINDS[kind])
+    first = train_draft(tc, tmp_path / "run", progress=False, stop_after=3)
+    assert not first["finished"]
+    resumed = train_draft(tc, tmp_path / "run", resume=True, progress=False)
+    a, b = load_head(summary["draft"]).params, load_head(resumed["draft"]).params
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_trained_head_loads_by_path_and_drafts_losslessly(kind, root, capsys):
+    folder, summary = trained(kind, root)
+    drafter = load_head(summary["draft"], kind=kind)
+    out = engine.generate(H.target(), H.RAGGED, drafter, gamma=3, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
+    assert out.tokens == H.reference().tokens
+    assert out.metrics.draft_tokens > 0
+    sampled = SamplingParams(temperature=0.8, top_p=0.9)  # runs with its real q (law tests: test_engine_law)
+    out = engine.generate(H.target(), H.RAGGED, drafter, gamma=3, max_new_tokens=8, sampling=sampled)
+    assert all(len(t) == 8 or r == "eos" for t, r in zip(out.tokens, out.stop_reasons))
+    code = main(["generate", "--model", "tiny-random", "--raw", "--drafter", kind, "--draft-model",
+                 summary["draft"], "--gamma", "2", "--max-new-tokens", "6", "--prompt", "abcabc"])
+    assert code == 0 and "tokens/round" in capsys.readouterr().out
+
+
+def test_mismatched_heads_are_clear_errors(root, tmp_path):
+    folder, summary = trained("eagle", root)
+    eagle = load_head(summary["draft"])
+    narrow = load_model("tiny-random-draft")  # hidden size 64, the head's 128
+    with pytest.raises(ValueError, match="hidden size 128"):
+        engine.generate(narrow, [[1, 2, 3]], eagle, gamma=2, max_new_tokens=4)
+    cfg = H.target().config
+    deep = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, 4, 2, 32, feature_layers=(7,))
+    with pytest.raises(ValueError, match="reads target layers"):
+        engine.generate(H.target(), [[1, 2, 3]], EagleDrafter(deep, init_eagle(deep, jax.random.key(0))), gamma=2,
+                        max_new_tokens=4)
+    with pytest.raises(ValueError, match="medusa head, not a eagle"):
+        load_head(trained("medusa", root)[1]["draft"], kind="eagle")
+    with pytest.raises(ValueError, match="not a drafter head folder"):
+        load_head(tmp_path)
+    medusa = MedusaConfig(cfg.hidden_size, cfg.vocab_size, 2)
+    with pytest.raises(ValueError, match="gamma 3 exceeds the 2 Medusa heads"):
+        engine.generate(H.target(), [[1, 2, 3]], MedusaDrafter(medusa, {"w": np.zeros((2, 128, 128), np.float32),
+                                                                        "b": np.zeros((2, 128), np.float32)}),
+                        gamma=3, max_new_tokens=4)
+    bad = dict(eagle.params, vocab_map=np.zeros_like(eagle.params["vocab_map"]))  # repeated ids
+    path = save_head(tmp_path / "bad", "eagle", eagle.config, bad, {})
+    with pytest.raises(ValueError, match="vocab_map must hold distinct ids"):
+        load_head(path)
