@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
-from specdec_jax.audit import chi_square, continuation_codes, sequence_law
+from specdec_jax.audit import chi_square, continuation_codes, noisy_copy, sequence_law
 from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
@@ -54,10 +54,7 @@ def greedy_audit(args) -> tuple[list, dict]:
 
 def law_audit(seed: int) -> list:
     target = random_llama(TOY, 0)
-    rng = np.random.default_rng(1)
-    noisy = {k: (v + (0 if k.endswith("norm") else 0.5) * np.std(v) * rng.standard_normal(v.shape)).astype(np.float32)
-             for k, v in target.arrays().items()}
-    draft = type(target).from_arrays(TOY, noisy)
+    draft = noisy_copy(target)
     law = sequence_law(TOY, target.params(), TOY_PROMPT, TOY_NEW)
     rows = []
     # A budget of TOY_NEW = 3 tokens caps every round at 2 drafts, so gamma 2 is the largest that differs.

@@ -132,3 +132,14 @@ def chi_square(counts: np.ndarray, law: np.ndarray) -> tuple[float, int, float]:
     dof = len(obs) - 1
     pvalue = float(jax.scipy.special.gammaincc(dof / 2, stat / 2))  # chi2 survival function
     return stat, dof, pvalue
+
+
+def noisy_copy(model, scale: float = 0.5, seed: int = 1):
+    """A `Llama` with `model`'s weights plus Gaussian noise of `scale` times each weight's std (norms
+    kept): a draft that is often right but has a law of its own, for law tests on toy models."""
+    rng = np.random.default_rng(seed)
+    arrays = {name: (np.asarray(w) + (0.0 if name.endswith("norm") else scale) * np.std(w)
+                     * rng.standard_normal(np.shape(w))).astype(np.float32)
+              for name, w in model.arrays().items()}
+    return type(model).from_arrays(model.config, arrays)
+

@@ -21,7 +21,9 @@ import jax
 import numpy as np
 
 from specdec_jax import engine, sharding
-from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.drafters import (EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter,
+                                  oracle_drafter)
+from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.registry import random_llama
@@ -53,7 +55,20 @@ def cases(target, draft):
         "ngram-mixed": (NgramDrafter(), mixed),
         "draft-model-mixed": (ModelDrafter(DRAFT, draft.params()), mixed),
         "oracle": (oracle_drafter(TARGET, target.params(), 0.7), GREEDY),
+        "eagle-mixed": (EagleDrafter(EAGLE, init_eagle(EAGLE, jax.random.key(2))), mixed),
+        "medusa-mixed": (MedusaDrafter(MEDUSA, medusa_params()), mixed),
     }
+
+
+EAGLE = EagleConfig(TARGET.hidden_size, TARGET.vocab_size, 128, 8, 4, 8, feature_layers=(0, -1))  # 4 KV heads
+MEDUSA = MedusaConfig(TARGET.hidden_size, TARGET.vocab_size, 3)
+
+
+def medusa_params() -> dict:
+    rng = np.random.default_rng(3)
+    h = TARGET.hidden_size
+    return {"w": (rng.standard_normal((3, h, h)) / np.sqrt(h)).astype(np.float32),
+            "b": np.zeros((3, h), np.float32)}
 
 
 def specs(tree) -> list[str]:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specdec_jax.audit import chi_square, continuation_codes, sequence_law
+from specdec_jax.audit import chi_square, continuation_codes, noisy_copy, sequence_law
 from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import generate
@@ -49,12 +49,7 @@ def target() -> Llama:
 @functools.cache
 def draft() -> Llama:
     """The target's weights plus noise: a draft that is often right but has its own law."""
-    rng = np.random.default_rng(1)
-    arrays = {
-        name: np.asarray(w) + (0.0 if name.endswith("norm") else 0.5) * np.std(w) * rng.standard_normal(w.shape)
-        for name, w in target().arrays().items()
-    }
-    return Llama.from_arrays(CONFIG, {k: v.astype(np.float32) for k, v in arrays.items()})
+    return noisy_copy(target())
 
 
 REDUCED_IDS = np.array([0, 2, 3, 5], np.int32)  # a draft that can never propose tokens 1 and 4

@@ -32,7 +32,8 @@ import functools
 import numpy as np
 import pytest
 
-from specdec_jax.audit import chi_square, continuation_codes, continuation_logits, processed_law, sequence_law
+from specdec_jax.audit import (chi_square, continuation_codes, continuation_logits, noisy_copy, processed_law,
+                               sequence_law)
 from specdec_jax.compare import compare_rows
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import generate
@@ -69,12 +70,7 @@ def target() -> Llama:
 @functools.cache
 def draft() -> Llama:
     """The target's weights plus noise (as tests/test_engine_law.py): often right, its own law."""
-    rng = np.random.default_rng(1)
-    arrays = {
-        name: np.asarray(w) + (0.0 if name.endswith("norm") else 0.5) * np.std(w) * rng.standard_normal(w.shape)
-        for name, w in target().arrays().items()
-    }
-    return Llama.from_arrays(CONFIG, {k: v.astype(np.float32) for k, v in arrays.items()})
+    return noisy_copy(target())
 
 
 @functools.cache

@@ -106,3 +106,55 @@ def test_mismatched_heads_are_clear_errors(root, tmp_path):
     path = save_head(tmp_path / "bad", "eagle", eagle.config, bad, {})
     with pytest.raises(ValueError, match="vocab_map must hold distinct ids"):
         load_head(path)
+
+
+FAKE_CHATS = {
+    "b": {"messages": [[{"text": "hi", "sender": "x"}, {"text": "how are you?", "sender": "x"}],
+                       [{"text": "good", "sender": "y"}], [{"text": " ", "sender": "x"}]]},
+    "a": {"messages": [[{"text": "only one turn", "sender": "x"}]]},
+    "c": {"messages": [[{"text": "q", "sender": "x"}], [{"text": "r", "sender": "y"}], [{"text": "s", "sender": "x"}]]},
+}
+
+
+class TemplateTokenizer:
+    """The byte tokenizer with a visible chat template (tiny-random's has none)."""
+
+    def __init__(self):
+        from specdec_jax.models.tokenizer import ByteTokenizer
+
+        self._bytes = ByteTokenizer()
+
+    def apply_chat_template(self, messages):
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages)
+
+    def __getattr__(self, name):
+        return getattr(self._bytes, name)
+
+
+def test_chitchat_conversations_become_chat_texts(monkeypatch):
+    from specdec_jax.distill import chitchat
+
+    monkeypatch.setattr(chitchat, "chitchat_conversations", lambda progress=True: FAKE_CHATS)
+    records = chitchat.chitchat_records(TemplateTokenizer(), limit=5)
+    # sorted by id; "a" has no reply and is skipped; turns alternate from the first speaker; blank turns dropped
+    assert records == [{"id": "chitchat-b", "text": "[user]hi\nhow are you?[assistant]good"},
+                       {"id": "chitchat-c", "text": "[user]q[assistant]r[user]s"}]
+    assert len(chitchat.chitchat_records(TemplateTokenizer(), limit=1)) == 1
+
+
+def test_extra_text_adds_teacher_forced_training_windows_only(root, tmp_path, monkeypatch):
+    from specdec_jax.distill import chitchat, train
+
+    monkeypatch.setattr(chitchat, "chitchat_conversations", lambda progress=True: FAKE_CHATS)
+    monkeypatch.setattr(train, "chitchat_records",
+                        lambda tok, limit, progress=True: chitchat.chitchat_records(TemplateTokenizer(), limit))
+    tc = tiny_config(root, **KINDS["medusa"], extra_text="chitchat", extra_examples=2, steps=2, warmup_steps=1,
+                     save_every=2, eval_every=2)
+    train_draft(tc, tmp_path / "run", progress=False)
+    plain = np.load(f"{trained('medusa', root)[0]}/data/train.npz")
+    with_extra = np.load(tmp_path / "run" / "data" / "train.npz")
+    assert len(with_extra["tokens"]) == len(plain["tokens"]) + 2
+    held_plain = np.load(f"{trained('medusa', root)[0]}/data/heldout.npz")
+    np.testing.assert_array_equal(np.load(tmp_path / "run" / "data" / "heldout.npz")["tokens"], held_plain["tokens"])
+    with pytest.raises(ValueError, match="needs kind eagle or medusa"):
+        tiny_config(root, extra_text="chitchat", extra_examples=2)

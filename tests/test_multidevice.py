@@ -69,7 +69,7 @@ def assert_meshes_agree(report: dict) -> None:
 
 @pytest.mark.multidevice
 def test_two_by_four_mesh_matches_one_device():
-    assert_meshes_agree(run_worker(["data=1", "data=2,model=4"], cases="ngram,draft-model-mixed"))
+    assert_meshes_agree(run_worker(["data=1", "data=2,model=4"], cases="ngram,draft-model-mixed,eagle-mixed"))
 
 
 @pytest.mark.multidevice

@@ -32,6 +32,8 @@ class TrainConfig:
     teacher_top_k: int = 16  # the loss matches the target's law on its top-k tokens
     seq_len: int = 256  # training windows (the last seq_len tokens of each prompt + answer)
     answers: bool = True  # eagle/medusa: train on prompt + the target's answer (False: prompt text only)
+    extra_text: str = ""  # eagle/medusa: more training text, teacher-forced only: "chitchat" (distill.chitchat)
+    extra_examples: int = 0  # how many texts of extra_text (conversations), one window each
     # draft architecture (None: the target's value)
     num_layers: int = 2
     hidden_size: int | None = None
@@ -78,6 +80,12 @@ class TrainConfig:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         object.__setattr__(self, "feature_layers", _layers(self.feature_layers))
+        if self.extra_text not in ("", "chitchat"):
+            raise ValueError(f"extra_text must be '' or 'chitchat', got {self.extra_text!r}")
+        if not isinstance(self.extra_examples, int) or self.extra_examples < 0:
+            raise ValueError(f"extra_examples must be an int >= 0, got {self.extra_examples!r}")
+        if self.extra_text and self.kind == "model":
+            raise ValueError("extra_text feeds teacher-forced feature data: it needs kind eagle or medusa")
         if not isinstance(self.medusa_heads, int) or self.medusa_heads < 1:
             raise ValueError(f"medusa_heads must be an int >= 1, got {self.medusa_heads!r}")
         if self.feature_noise < 0 or self.regression_weight < 0 or self.ce_weight < 0:

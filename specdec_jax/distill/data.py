@@ -52,6 +52,10 @@ class Dataset(NamedTuple):
         with np.load(path) as f:
             return cls(**{name: f[name] for name in cls._fields if name in f.files})
 
+    @classmethod
+    def concatenate(cls, parts: list[Dataset]) -> Dataset:
+        return cls(*[None if parts[0][i] is None else np.concatenate([p[i] for p in parts]) for i in range(len(cls._fields))])
+
     def batch(self, index: np.ndarray) -> dict:
         """{field: array[index]} of the fields present."""
         return {name: value[index] for name, value in self._asdict().items() if value is not None}
@@ -79,12 +83,14 @@ def training_prompts(train: list[dict], limit: int = 0) -> list[dict]:
 
 
 def encoded_prompts(target, tc: TrainConfig, records: list[dict]) -> list[list[int]]:
-    """Token ids of the records' prompts (chat template), shortest first, at most max_prompt_tokens long."""
-    encoded = sorted((encode(target.tokenizer, r["prompt"], raw=False) for r in records), key=len)
-    if tc.max_prompt_tokens:
-        encoded = [p for p in encoded if len(p) <= tc.max_prompt_tokens]
+    """Token ids of the records' prompts (in the chat template; at most max_prompt_tokens long) or
+    texts (`"text"`, sent raw, any length: only their last seq_len tokens are used), shortest first."""
+    tok, limit = target.tokenizer, tc.max_prompt_tokens
+    texts = [tok.encode(r["text"]) for r in records if "text" in r]
+    prompts = [encode(tok, r["prompt"], raw=False) for r in records if "text" not in r]
+    encoded = sorted(texts + [p for p in prompts if not limit or len(p) <= limit], key=len)
     if not encoded:
-        raise ValueError(f"no prompt of at most max_prompt_tokens = {tc.max_prompt_tokens} tokens")
+        raise ValueError(f"no prompt of at most max_prompt_tokens = {limit} tokens")
     return encoded
 
 
@@ -119,11 +125,12 @@ def build_dataset(target, tc: TrainConfig, records: list[dict], progress: bool =
 
 
 def build_feature_dataset(target, tc: TrainConfig, records: list[dict], layers: tuple[int, ...],
-                          progress: bool = True) -> Dataset:
-    """Teacher-forced target passes over each prompt (+ the target's greedy answer with `answers`):
-    features of target `layers` and the top-k law at every position of the last seq_len tokens."""
+                          progress: bool = True, answers: bool | None = None) -> Dataset:
+    """Teacher-forced target passes over each prompt (+ the target's greedy answer with `answers`,
+    default tc.answers): features of target `layers` and the top-k law at every position of the
+    last seq_len tokens."""
     encoded = encoded_prompts(target, tc, records)
-    if tc.answers:
+    if tc.answers if answers is None else answers:
         answers = []
         for start in tqdm(range(0, len(encoded), tc.gen_batch_size), desc="target answers", unit="batch",
                           disable=not progress):

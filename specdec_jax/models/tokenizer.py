@@ -92,8 +92,9 @@ class BPETokenizer:
         """Text of `ids`, special tokens skipped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, user_text: str) -> str:
-        """The model's chat template around one user turn, with the assistant prompt opened."""
+    def apply_chat_template(self, user_text: str | list[dict]) -> str:
+        """The model's chat template around one user turn, with the assistant prompt opened; or
+        around a whole conversation (a list of {"role", "content"} messages), closed."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send the text raw")
         import jinja2
@@ -102,8 +103,10 @@ class BPETokenizer:
             raise ValueError(f"chat template: {message}")
 
         template = jinja2.Environment(keep_trailing_newline=True).from_string(self.chat_template)
+        one_turn = isinstance(user_text, str)
         return template.render(
-            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+            messages=[{"role": "user", "content": user_text}] if one_turn else user_text,
+            add_generation_prompt=one_turn,
             bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
             raise_exception=raise_exception,
         )
