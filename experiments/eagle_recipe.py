@@ -15,7 +15,7 @@ them beside the n-gram drafter on held-out Spec-Bench questions.
 Writes summary.json (per drafter and temperature: acceptance_pos1, tokens_per_round, speedup,
 speedup_open_ended (writing + roleplay + qa), td_over_t1, tv_over_t1, gamma), table.md (per
 category: tokens per round and speedup of each drafter), per_category.png and every bench report
-to experiments/results/eagle_recipe.
+and the heads' training curves to experiments/results/eagle_recipe.
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--drafters", nargs="+", default=["ngram", "medusa", "eagle"], choices=list(DEFAULT_GAMMA))
+    parser.add_argument("--sampled-drafters", nargs="+", default=None, metavar="DRAFTER",
+                        help="drafters benched at the non-zero temperatures (default: all of --drafters)")
     parser.add_argument("--gamma", action="append", default=[], metavar="DRAFTER=G",
                         help=f"gamma per drafter (default {DEFAULT_GAMMA})")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "eagle_recipe")
@@ -100,16 +102,18 @@ def main(argv=None) -> int:
         if kind == "medusa":
             share_data(run_folder("eagle"), run_folder("medusa"))
         heads[kind], heldout[kind], train_s[kind] = trained_head(kind, pathlib.Path(HEAD_CONFIGS[kind]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for kind in heads:
+        shutil.copy(run_folder(kind) / "training_curve.png", args.out / f"training_curve_{kind}.png")
     tc = train_config(HEAD_CONFIGS["eagle"])
     _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
-    args.out.mkdir(parents=True, exist_ok=True)
     reports, summary = {}, {}
     with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
         prompts = pathlib.Path(folder) / "heldout_prompts.jsonl"
         prompts.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
                                                  "turns": q["turns"][:1]}) for q in held))
         for temperature in args.temperatures:
-            for drafter in args.drafters:
+            for drafter in args.drafters if temperature == 0 else (args.sampled_drafters or args.drafters):
                 cfg = RunConfig(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,
                                 gamma=gammas[drafter], temperature=temperature, max_new_tokens=args.max_new_tokens,
                                 prompts_file=str(prompts))
