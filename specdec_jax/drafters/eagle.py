@@ -102,8 +102,7 @@ def init_eagle(cfg: EagleConfig, key: jax.Array, head_rows: np.ndarray | None = 
                vocab_map: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Random weights (the decoder layer as `models.llama.init_params`; fc and feature_proj
     ~ N(0, 1/fan_in)); a reduced head copies `head_rows` (the target's LM head [H,V]) at `vocab_map`."""
-    # vocab_size 1: the layer weights only (a [V,H] random embedding would be drawn and thrown away)
-    layer = init_params(dataclasses.replace(cfg.layer, vocab_size=1, tie_embeddings=True), key)
+    layer = init_params(dataclasses.replace(cfg.layer, tie_embeddings=True), key)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)) + 1)
     arrays = {}
     for name, shape in eagle_shapes(cfg).items():
