@@ -11,7 +11,13 @@ in the same run on the same shapes:
     T1  one target pass of 1 token           Tv  one verify pass of gamma + 1 tokens
     Td  one draft step (the drafter's whole proposal / gamma)
     T(w) the target pass at each verify width w the engine compiles (EngineSpec.verify_widths)
-    predicted speedup = tau * T1 / (gamma * Td + mean T(w) over the rounds run)
+    D(w) the drafting a round verified at w paid (fixed gamma: gamma Td; "auto": the proposal
+         of w - 1 drafts, or of G for a free drafter)
+    predicted speedup = tau * T1 / mean (T(w) + D(w)) over the rounds run
+
+With `--gamma auto` (the default) the engine picks each round's shape
+(`engine.shape`); the report's width histogram (`width_rounds`, one count per
+verify width 1, 2, 3, 5) says which shapes it chose.
 
 Each term is timed the way the loop runs it: the jitted piece donates its
 caches (or the whole state), which are fed back from call to call, so no
@@ -40,8 +46,8 @@ from tqdm import tqdm
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
+from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
-from specdec_jax.target import chain_positions
 from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, format_rate, one_device_only,
                                 prompt_records, sampling_params, stop_ids)
 
@@ -64,56 +70,29 @@ def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
     return num_bytes / median_time(lambda: total(data).block_until_ready())
 
 
-def median_time_fed_back(step, carry, repeats: int = 7) -> float:
-    """Median seconds of ``carry = step(carry)`` after one warm-up call. ``step`` donates its carry
-    (the caches), which is fed back between calls, as the loop runs them: nothing is copied."""
-    carry = jax.block_until_ready(step(carry))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        carry = jax.block_until_ready(step(carry))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
+    """T1, Tv (the widest verify pass), Td (per draft), and per verify width w the engine compiles
+    the target pass T(w) and the drafting paid by a round verified at w, D(w) (seconds), on the
+    shapes of this batch, timed as the loop runs them (`engine.calibration`).
 
-
-def time_target_pass(run: engine.Prepared, width: int) -> float:
-    """Seconds of one target pass of ``width`` tokens per row (a verify pass at that width, with the
-    hidden states the drafter reads), its cache donated and fed back, its logits reduced on device
-    to the argmax (the loop never returns logits either)."""
-    spec = run.spec
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, carry):
-        cache = carry[0]
-        tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
-        logits, _, cache = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
-                                             spec.hidden_layers)
-        return cache, jnp.argmax(logits, axis=-1)
-
-    batch = run.state.cache.lengths.shape[0]
-    carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))
-    return median_time_fed_back(lambda c: step(run.params.target, c), carry)
-
-
-def time_draft_step(run: engine.Prepared) -> float:
-    """Seconds of one `draft_step` (the drafter's whole proposal of gamma tokens), the loop state
-    donated and fed back. Consumes ``run.state``."""
-    step = jax.jit(functools.partial(engine.draft_step, run.spec), donate_argnums=1)
-    return median_time_fed_back(lambda state: step(run.params, state), run.state)
-
-
-def cost_model(target, drafter, gamma: int, prompts: list[list[int]], capacity: int, cfg: RunConfig) -> dict:
-    """T1, Tv, Td and the target pass at every verify width (seconds), on the shapes of this
-    batch, timed as the loop runs them (`time_target_pass`, `time_draft_step`)."""
+    Fixed gamma: every round drafts gamma, D(w) = gamma Td. gamma "auto": the calibration the
+    shape policy decided with; a round verified at w = g + 1 drafted g tokens (a free drafter: G).
+    """
+    if gamma == engine.AUTO:
+        batch = 1 << (len(prompts) - 1).bit_length()  # the engine's batch bucket
+        costs = engine.measure_costs(target, drafter, batch, capacity)
+        policy = engine.policy_from_costs(costs)
+        widest = policy.max_gamma
+        draft = [costs["draft_s"][-1]] * len(policy.gammas) if policy.free_drafts else costs["draft_s"]
+        return {"T1": costs["T1"], "Tv": costs["verify_s"][-1], "Td": costs["draft_s"][-1] / widest,
+                "verify_widths": [g + 1 for g in policy.gammas], "T_by_width": costs["verify_s"], "D_by_width": draft}
     run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
                          max_new_tokens=cfg.max_new_tokens, capacity=capacity)
     widths = run.spec.verify_widths
     by_width = {w: time_target_pass(run, w) for w in widths}
-    out = {"T1": by_width[1], "Tv": by_width[gamma + 1], "Td": 0.0, "verify_widths": list(widths),
-           "T_by_width": [by_width[w] for w in widths]}
-    if gamma and drafter is not None:
-        out["Td"] = time_draft_step(run) / gamma
-    return out
+    td = time_draft_step(run) / gamma if gamma and drafter is not None else 0.0
+    return {"T1": by_width[1], "Tv": by_width[gamma + 1], "Td": td, "verify_widths": list(widths),
+            "T_by_width": [by_width[w] for w in widths], "D_by_width": [gamma * td] * len(widths)}
 
 
 def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True,
@@ -152,7 +131,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress,
                       delay=0.5):  # no bar before an error in the first batch
         prompts = [encode(tok, r["prompt"], cfg.raw) for r in chunk]
-        capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, gamma)
+        capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, cfg.widest_gamma)
 
         def run(g, max_new):
             return engine.generate(
@@ -177,7 +156,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         if hf is not None:
             hf_eos = None if cfg.ignore_eos else tok.eos_id  # the peer stops at its own EOS only, not at --stop-id
             row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats)
-                         for mode, lookup in (("greedy", 0), ("lookup", gamma))}
+                         for mode, lookup in (("greedy", 0), ("lookup", cfg.widest_gamma))}
             for result in row["hf"].values():
                 tokens = result.pop("tokens")
                 result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
@@ -209,7 +188,7 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
     plain_tokens = sum(len(t) - 1 for t in plain.tokens)
     spec_tokens = sum(len(t) - 1 for t in spec.tokens)
     tau = spec.metrics.mean_accepted_length
-    predicted_plain_s, predicted_spec_s = _predicted_times(plain, spec, costs, gamma)
+    predicted_plain_s, predicted_spec_s = _predicted_times(plain, spec, costs)
     predicted = (spec.metrics.emitted_tokens / predicted_spec_s) / (plain.metrics.emitted_tokens / predicted_plain_s)
     measured = (spec_tokens / spec_s) / (plain_tokens / plain_s)
     return {
@@ -231,7 +210,8 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
         "plain_emitted_tokens": plain.metrics.emitted_tokens,
         "width_rounds": spec.metrics.width_rounds,
         "predicted_s": {"plain": predicted_plain_s, "spec": predicted_spec_s},
-        "verify_ms_per_round": 1000 * (predicted_spec_s / max(spec.loop_rounds, 1) - gamma * costs["Td"]),
+        "verify_ms_per_round": 1000 * sum(n * t for n, t in zip(spec.metrics.width_rounds, costs["T_by_width"]))
+        / max(spec.loop_rounds, 1),
         "draft_tokens": spec.metrics.draft_tokens,
         "accepted_tokens": spec.metrics.accepted_tokens,
         "emitted_tokens": spec.metrics.emitted_tokens,
@@ -246,11 +226,12 @@ def _batch_row(chunk, plain, spec, walls, compile_s, prefill_s, costs, compariso
     }
 
 
-def _predicted_times(plain, spec, costs: dict, gamma: int) -> tuple[float, float]:
+def _predicted_times(plain, spec, costs: dict) -> tuple[float, float]:
     """Predicted decode seconds of the plain and the speculative run (DESIGN section 8): T1 per
-    plain loop round; per speculative round the verify width it actually ran plus gamma draft steps."""
-    verify_s = sum(n * t for n, t in zip(spec.metrics.width_rounds, costs["T_by_width"]))
-    return plain.loop_rounds * costs["T1"], verify_s + spec.loop_rounds * gamma * costs["Td"]
+    plain loop round; per speculative round the verify width it actually ran, T(w), plus the
+    drafting such a round paid, D(w)."""
+    per_round = [t + d for t, d in zip(costs["T_by_width"], costs["D_by_width"])]
+    return plain.loop_rounds * costs["T1"], sum(n * t for n, t in zip(spec.metrics.width_rounds, per_round))
 
 
 def _aggregate(rows: list[dict], gamma: int) -> dict:
@@ -290,6 +271,8 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
         "verify_ms_per_round": verify_ms,
         "predicted_speedup": predicted,
         "measured_over_predicted": speedup / predicted,
+        "verify_widths": rows[0]["verify_widths"],
+        "width_rounds": np.sum([r["width_rounds"] for r in rows], axis=0).tolist(),
         "exact_match_rate": sum(exact) / len(exact) if exact else None,
         "tie_aware_equal": all(flags) if flags else None,
         **(_aggregate_peer(rows, plain_tok / plain_s, spec_tok / spec_s) if all("hf" in r for r in rows) else {}),
@@ -356,7 +339,10 @@ def format_report(report: dict) -> str:
                 f"{a['hf_lookup_tokens_per_s']:.1f} | {a['spec_over_hf_lookup']:.2f}x | "
                 f"{a['hf_greedy_same_as_plain']:.2f} | {a['hf_lookup_same_as_plain']:.2f} |")
     pos = ", ".join(map(format_rate, report["overall"]["per_position_acceptance"]))
+    shapes = ", ".join(f"{w}: {n}" for w, n in zip(report["overall"]["verify_widths"],
+                                                   report["overall"]["width_rounds"]))
     lines += ["", f"per-position acceptance (overall): [{pos}]",
+              f"verify widths chosen (width: loop rounds, all batches): {shapes}",
               f"memory bandwidth {report['memory_bandwidth_gb_s']:.1f} GB/s; parameters "
               f"{report['param_bytes'] / 1e6:.0f} MB -> floor {report['bandwidth_floor_ms_per_step']:.1f} ms per "
               f"target step; plain decoding runs at {100 * report['plain_fraction_of_bandwidth_floor']:.0f}% of it",

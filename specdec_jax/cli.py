@@ -22,7 +22,8 @@ FLAG_HELP = {
     "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
     "drafter": "drafter: " + ", ".join(DRAFTERS),
     "draft_model": "draft model name or path (--drafter draft-model), or a trained head folder (eagle, medusa)",
-    "gamma": "drafts per round (0 = plain decoding)",
+    "gamma": "drafts per round (0 = plain decoding), or auto: chosen each round from this device's measured "
+             "costs and each row's acceptance",
     "temperature": "0 = greedy",
     "top_k": "0 = off",
     "top_p": "1 = off",
@@ -45,6 +46,16 @@ FLAG_HELP = {
 }
 
 
+def _gamma(text: str) -> int | str:
+    """--gamma: an int or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}") from None
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per RunConfig field; every default is None so that only given flags override."""
     for name, default in RunConfig.__dataclass_fields__.items():
@@ -57,7 +68,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         elif name == "stop_id":
             parser.add_argument(flag, action="append", type=int, default=None, metavar="ID", help=FLAG_HELP[name])
         else:
-            kind = str if value is None else type(value)
+            kind = _gamma if name == "gamma" else str if value is None else type(value)
             parser.add_argument(flag, type=kind, default=None, help=f"{FLAG_HELP[name]} (default {value})")
     parser.add_argument("--config", type=pathlib.Path, help="YAML config file (flags override it)")
     parser.add_argument("--json", type=pathlib.Path, metavar="OUT", help="write the full report as JSON")

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from specdec_jax.engine.batching import AUTO
+from specdec_jax.engine.calibration import AUTO_GAMMAS
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 
@@ -25,7 +27,7 @@ class RunConfig:
     model: str = "smollm2-135m"
     drafter: str = "ngram"
     draft_model: str | None = None
-    gamma: int = 4
+    gamma: int | str = "auto"  # drafts per round, or "auto": chosen per round (specdec_jax.engine.shape)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -49,7 +51,8 @@ class RunConfig:
     def __post_init__(self):
         checks = (
             ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
-            ("gamma", isinstance(self.gamma, int) and self.gamma >= 0, "an int >= 0"),
+            ("gamma", self.gamma == AUTO or isinstance(self.gamma, int) and not isinstance(self.gamma, bool)
+             and self.gamma >= 0, "an int >= 0 or 'auto'"),
             ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int >= 1"),
             ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an int >= 1"),
             ("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
@@ -77,8 +80,14 @@ class RunConfig:
             object.__setattr__(self, "gamma", 0)
 
     @property
-    def effective_gamma(self) -> int:
+    def effective_gamma(self) -> int | str:
+        """What `generate` gets: an int (0 = plain decoding) or "auto"."""
         return self.gamma
+
+    @property
+    def widest_gamma(self) -> int:
+        """The most drafts a round can verify (sizes the KV capacity)."""
+        return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

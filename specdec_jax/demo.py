@@ -1,14 +1,20 @@
 """The main job: speculative vs plain decoding, side by side, on the default real model.
 
-For each prompt (batch 1): both programs are compiled first (a 1-token run with
+For each prompt (batch 1): every program is compiled first (a 1-token run with
 the same shapes), then plain decoding (gamma 0) and speculative decoding run
-interleaved through the same engine with the same KV capacity. Prints both
-texts in two columns, whether they are identical (tie-aware, DESIGN section 6),
-the speedup, tokens per round and acceptance.
+one after the other through the same engine with the same KV capacity. Prints
+both texts in two columns, whether they are identical (tie-aware, DESIGN
+section 6), the speedup, tokens per round and acceptance.
+
+The drafters: the configured one (default the n-gram lookup with gamma
+"auto", which drafts only when this device's costs and the row's acceptance
+say it pays), and, beside it, the trained EAGLE head when
+`python experiments/eagle_recipe.py` has left one in the cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import statistics
 import textwrap
@@ -16,11 +22,26 @@ import textwrap
 from tqdm import tqdm
 
 from specdec_jax.compare import compare_greedy, teacher_forced_margins
+from specdec_jax.drafters.heads import is_head_dir
+from specdec_jax.models.fetch import cache_dir
 from specdec_jax.config import RunConfig
 from specdec_jax.engine import default_capacity, generate
 from specdec_jax.models import load_model
 from specdec_jax.runner import (build_drafter, encode, format_rate, one_device_only, prompt_records, sampling_params,
                                 stop_ids)
+
+
+EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head")  # where experiments/eagle_recipe.py leaves its head
+
+
+def demo_configs(cfg: RunConfig) -> list[RunConfig]:
+    """The drafters the demo runs: the configured one and, when that is the default n-gram drafter
+    on SmolLM2, also the trained EAGLE head if one is in the cache (`python experiments/eagle_recipe.py`)."""
+    configs = [cfg]
+    head = cache_dir() / EAGLE_HEAD[1]
+    if cfg.drafter == "ngram" and cfg.model == EAGLE_HEAD[0] and is_head_dir(head):
+        configs.append(dataclasses.replace(cfg, drafter="eagle", draft_model=str(head)))
+    return configs
 
 
 def demo(cfg: RunConfig) -> dict:
@@ -29,42 +50,48 @@ def demo(cfg: RunConfig) -> dict:
         raise ValueError("the demo compares a drafter against plain decoding: choose a drafter and gamma >= 1")
     print(f"loading {cfg.model} ...", flush=True)
     target = load_model(cfg.model)
-    drafter = build_drafter(cfg, target)
+    configs = demo_configs(cfg)
+    drafters = [build_drafter(c, target) for c in configs]
     tok = target.tokenizer
     stops = stop_ids(cfg, tok)
-    rows = []
-    for record in tqdm(prompt_records(cfg), desc="prompts (compile, plain, speculative)", unit="prompt",
+    rows = {c.drafter: [] for c in configs}
+    for record in tqdm(prompt_records(cfg), desc=f"prompts (compile, plain, {', '.join(rows)})", unit="prompt",
                        delay=0.5):  # no bar before an error in the first prompt
         ids = encode(tok, record["prompt"], cfg.raw)
-        capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.gamma)
+        capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.widest_gamma)
 
-        def run(gamma, max_new):
+        def run(drafter, max_new):
             return generate(
-                target, [ids], drafter if gamma else None, gamma=gamma, sampling=sampling_params(cfg),
+                target, [ids], drafter, gamma=cfg.effective_gamma if drafter else 0, sampling=sampling_params(cfg),
                 max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity,
             )
 
-        compile_s = {g: run(g, 1).wall_s for g in (0, cfg.gamma)}
-        plain, spec = run(0, cfg.max_new_tokens), run(cfg.gamma, cfg.max_new_tokens)
+        compile_s = [run(d, 1).wall_s for d in (None, *drafters)]
+        plain = run(None, cfg.max_new_tokens)
         margins = teacher_forced_margins(target.config, target.model.params(), ids, plain.tokens[0])
-        same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
-        rows.append({
-            "id": record["id"],
-            "plain_text": tok.decode(plain.tokens[0]),
-            "spec_text": tok.decode(spec.tokens[0]),
-            "identical": None if same is None else same.exact,
-            "tie_aware_equal": None if same is None else same.ok,
-            "plain_tokens_per_s": len(plain.tokens[0]) / plain.wall_s,
-            "spec_tokens_per_s": len(spec.tokens[0]) / spec.wall_s,
-            "speedup": (len(spec.tokens[0]) / spec.wall_s) / (len(plain.tokens[0]) / plain.wall_s),
-            "tokens_per_round": spec.metrics.mean_accepted_length,
-            "acceptance_rate": spec.metrics.acceptance_rate,
-            "compile_s": {"plain": compile_s[0], "spec": compile_s[cfg.gamma]},
-        })
-    for row in rows:
+        for c, drafter, compiled in zip(configs, drafters, compile_s[1:]):
+            spec = run(drafter, cfg.max_new_tokens)
+            same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
+            rows[c.drafter].append({
+                "id": record["id"],
+                "plain_text": tok.decode(plain.tokens[0]),
+                "spec_text": tok.decode(spec.tokens[0]),
+                "identical": None if same is None else same.exact,
+                "tie_aware_equal": None if same is None else same.ok,
+                "plain_tokens_per_s": len(plain.tokens[0]) / plain.wall_s,
+                "spec_tokens_per_s": len(spec.tokens[0]) / spec.wall_s,
+                "speedup": (len(spec.tokens[0]) / spec.wall_s) / (len(plain.tokens[0]) / plain.wall_s),
+                "tokens_per_round": spec.metrics.mean_accepted_length,
+                "acceptance_rate": spec.metrics.acceptance_rate,
+                "width_rounds": spec.metrics.width_rounds,
+                "compile_s": {"plain": compile_s[0], "spec": compiled},
+            })
+    for row in rows[cfg.drafter]:
         _print_row(row)
-    _print_summary(rows, cfg)
-    return {"config": cfg.to_dict(), "prompts": rows}
+    for c in configs:
+        _print_summary(rows[c.drafter], c)
+    return {"config": cfg.to_dict(), "drafters": {c.drafter: c.to_dict() for c in configs},
+            "prompts": rows[cfg.drafter], "by_drafter": rows}
 
 
 def _print_row(row: dict) -> None:
@@ -99,5 +126,6 @@ def _print_summary(rows: list[dict], cfg: RunConfig) -> None:
         same = {True: "yes", False: "tie" if r["tie_aware_equal"] else "NO", None: "-"}[r["identical"]]
         print(f"{str(r['id'])[:16]:<16} {r['plain_tokens_per_s']:>11.1f} {r['spec_tokens_per_s']:>10.1f} "
               f"{r['speedup']:>7.2f}x {r['tokens_per_round']:>9.2f} {format_rate(r['acceptance_rate']):>7}  {same}")
-    print(f"median speedup {statistics.median(r['speedup'] for r in rows):.2f}x "
-          "(CPU: a verify pass of gamma+1 tokens costs more than a 1-token step, see DESIGN section 8)")
+    print(f"median speedup {statistics.median(r['speedup'] for r in rows):.2f}x"
+          + (" (gamma auto: each round's shape chosen from this device's costs and the row's acceptance)"
+             if cfg.gamma == "auto" else ""))

@@ -22,6 +22,10 @@ declares in `reads_hidden`, and hands them over twice: those of the prompt to
 can update its own caches from what was accepted). `DrafterBase` supplies the
 defaults: no hidden states, no checks, `commit` leaves the state unchanged.
 
+`propose` may be called with gamma 0 (a round in which the engine's shape
+policy, `engine.shape`, does not speculate): it returns no drafts but keeps its
+state in step with the committed tokens, as a drafter with its own cache must.
+
 A drafter keeps no committed length of its own: `ctx.num_tokens` says what is
 committed, so rejected drafts are rolled back for free (DESIGN section 2).
 """

@@ -29,13 +29,16 @@ NextLogits = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
                vocab_size: int, vocab_map: jax.Array | None = None,
                corrupt_alpha: float | None = None) -> tuple[Proposal, Any]:
-    """``(Proposal with gamma drafts per row, carry)``.
+    """``(Proposal with gamma drafts per row, carry)``; gamma 0: no drafts and ``carry`` unchanged.
 
     first_logits: f32[B,Vo] the drafter's logits of draft 1; next_logits feeds each drawn
       draft (a `lax.scan` of gamma - 1 steps) and returns the logits of the next one.
     vocab_map: i32[Vo] target id of each logit (a reduced output vocabulary); None: Vo = V.
     corrupt_alpha: the oracle's corruption (drafts kept with probability alpha, q a point mass).
     """
+    if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
+        batch = first_logits.shape[0]
+        return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None), carry
     counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
     if ctx.sampling.use_penalties:
         counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)

@@ -16,13 +16,15 @@ outside it). The target's embedding is shared, never copied.
 Head cache slot j holds the keys/values of input j. A round with `n` committed
 tokens (t0 at index n - 1) and `e` tokens emitted by the last round:
 
-1. one block pass of width gamma + 1 re-encodes slots n-1-e .. n-2 from the
+1. one block pass of width G + 1 (the engine's widest verify pass) re-encodes slots n-1-e .. n-2 from the
    target's real features of the tokens the last verify pass committed
    (`DraftContext.features`), overwriting what the last round's drafting
    guessed there; its output at slot n - 2 gives the logits of draft 1;
 2. gamma - 1 single steps feed draft i with the head's previous output at slot
    n - 2 + i and give the logits of draft i + 1.
 
+With gamma 0 (a round the engine's shape policy does not speculate) only step 1
+runs, without the LM head, so the cache stays in step with the committed tokens.
 In the first round (e = 0) the block re-encodes slot n - 2 from the prompt's
 feature kept by `init`. A row whose sequence is a single token has no feature
 yet and proposes nothing.
@@ -190,7 +192,7 @@ class EagleDrafter(DrafterBase):
         n, emitted = ctx.num_tokens, ctx.last_emit
         block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
         start = jnp.maximum(n - 1 - block, 0)
-        column = jnp.arange(gamma + 1)[None, :]
+        column = jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: what one verify pass can commit
         index = jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1)
         tokens = jnp.take_along_axis(ctx.tokens, index, axis=1)
         fresh = emitted[:, None, None] >= 1

@@ -5,6 +5,8 @@
                    stop_reasons), decode_round, run_loop
     batching.py    validate, bucket, place on a mesh, prefill: prepare -> Prepared
     generation.py  generate: prepare, run the loop, unpack a GenerationResult
+    shape.py       ShapePolicy: the draft length and verify width chosen per round (gamma "auto")
+    calibration.py the device costs a ShapePolicy decides with, measured and cached on disk
 
 The engine imports no model module and names no drafter: the target is a
 `specdec_jax.target.TargetModel` (a pure `apply` with explicit positions and
@@ -14,7 +16,8 @@ every random draw is keyed by `specdec_jax.rng`. Given a device mesh
 same program runs partitioned; output reaches the host after the loop only.
 """
 
-from specdec_jax.engine.batching import Prepared, default_capacity, prefill, prepare, prompt_bucket, validate
+from specdec_jax.engine.batching import AUTO, Prepared, default_capacity, prefill, prepare, prompt_bucket, validate
+from specdec_jax.engine.calibration import AUTO_GAMMAS, measure_costs, policy_from_costs, shape_policy
 from specdec_jax.engine.generation import generate
 from specdec_jax.engine.round import (
     accept,
@@ -29,6 +32,7 @@ from specdec_jax.engine.round import (
     target_pass,
     verify_step,
 )
+from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.engine.state import (
     CAPACITY,
     EOS,
@@ -42,7 +46,7 @@ from specdec_jax.engine.state import (
 )
 
 __all__ = [
-    "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams", "EngineSpec",
+    "AUTO", "AUTO_GAMMAS", "ShapePolicy", "measure_costs", "policy_from_costs", "shape_policy", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams", "EngineSpec",
     "GenerationResult", "Prepared", "accept", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
     "target_law", "target_pass", "validate", "verify_step",

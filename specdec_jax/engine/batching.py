@@ -21,11 +21,15 @@ from jax.sharding import Mesh
 
 from specdec_jax import sharding
 from specdec_jax.drafters.base import Drafter, PrefillContext, Proposal
+from specdec_jax.engine.calibration import AUTO_GAMMAS, shape_policy
 from specdec_jax.engine.round import draft_step
+from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
 from specdec_jax.metrics import Counters
 from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import TargetModel, resolve_target
+
+AUTO = "auto"  # gamma chosen per round by a ShapePolicy (engine.shape) from this device's measured costs
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -68,6 +72,7 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
         target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
         if spec.record_top_k else None,
+        acceptance=None if spec.policy is None else jnp.full((batch, spec.gamma), spec.policy.prior, jnp.float32),
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)
@@ -91,7 +96,8 @@ def prepare(
     prompts: Sequence[Sequence[int]],
     drafter: Drafter | None = None,
     *,
-    gamma: int | None = None,
+    gamma: int | str | None = None,
+    policy: ShapePolicy | None = None,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     max_new_tokens: int = 128,
     eos_id: int | None = None,
@@ -104,7 +110,14 @@ def prepare(
 ) -> Prepared:
     """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
     model, target_params = resolve_target(target)
-    gamma = (0 if drafter is None else 4) if gamma is None else gamma
+    auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
+    if auto and drafter is None:
+        raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
+    if auto and gamma not in (None, AUTO) and (policy is None or gamma != policy.max_gamma):
+        raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
+    if auto:
+        gamma = max(AUTO_GAMMAS) if policy is None else policy.max_gamma
+    gamma = 0 if gamma is None else gamma
     prompts = [list(map(int, p)) for p in prompts]
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     stops = tuple(sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set())))
@@ -114,6 +127,8 @@ def prepare(
     batch = _round_up(_next_power_of_two(num_rows), data)  # the data axis divides the batch
     longest = max(map(len, prompts))
     capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
+    if auto and policy is None:
+        policy = shape_policy(target, drafter, batch, capacity)
     padded = np.zeros((batch, prompt_bucket(longest)), np.int32)
     lens = np.ones((batch,), np.int32)
     for b, p in enumerate(prompts):
@@ -130,7 +145,8 @@ def prepare(
         raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
     rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
 
-    spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh)
+    spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh,
+                      policy if gamma > 0 else None)
     params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None)
     inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
               jax.random.key(seed))
@@ -152,8 +168,8 @@ def validate(target: TargetModel, prompts, drafter, gamma, max_new_tokens, stop_
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-    if gamma < 0:
-        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma must be an int >= 0 or 'auto', got {gamma!r}")
     if gamma > 0 and drafter is None:
         raise ValueError(f"gamma = {gamma} needs a drafter (use gamma 0 for plain decoding)")
     if max_new_tokens < 1:

@@ -12,6 +12,7 @@ from specdec_jax import sharding
 from specdec_jax.drafters.base import Drafter
 from specdec_jax.engine.batching import prepare
 from specdec_jax.engine.round import decode_round, run_loop
+from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.engine.state import STOP_REASONS, GenerationResult
 from specdec_jax.metrics import Metrics
 from specdec_jax.sampling import SamplingParams
@@ -22,7 +23,8 @@ def generate(
     prompts: Sequence[Sequence[int]],
     drafter: Drafter | None = None,
     *,
-    gamma: int | None = None,
+    gamma: int | str | None = None,
+    policy: ShapePolicy | None = None,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     max_new_tokens: int = 128,
     eos_id: int | None = None,
@@ -42,8 +44,14 @@ def generate(
       prompts: one list of token ids per row (ragged lengths, each >= 1 token).
       drafter: an `NgramDrafter`, `ModelDrafter`, `oracle_drafter(...)`, any object of
         the drafter protocol (`specdec_jax.drafters.base`), or None for plain decoding.
-      gamma: drafts per round; default 4 with a drafter, 0 without. gamma = 0 is
-        plain autoregressive decoding through the same code.
+      gamma: drafts per round (an int, for ablations), or "auto", the default with a
+        drafter: each round chooses its draft length among `AUTO_GAMMAS` (0 included) and
+        its verify width on device, from this device's measured costs (calibrated once
+        per device, model, drafter, batch and capacity, and cached on disk;
+        `engine.calibration`) and each row's running acceptance (`engine.shape`).
+        gamma = 0 (the default without a drafter) is plain autoregressive decoding
+        through the same code.
+      policy: a `ShapePolicy` to use instead of the calibrated one (implies "auto").
       sampling: one `SamplingParams` for all rows or one per row (greedy and
         sampled rows may mix).
       max_new_tokens: per-row token budget (>= 1). With the model's context length
@@ -72,7 +80,7 @@ def generate(
     """
     start = time.perf_counter()
     run = prepare(
-        target, prompts, drafter, gamma=gamma, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
+        target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
         stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
     )
     state = run.state

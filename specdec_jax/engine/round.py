@@ -11,6 +11,10 @@
     commit        tokens, cache lengths (the rollback), record_top_k, the drafter's hook, metrics
     stop_reasons  which live rows just ended, and why
 
+With `EngineSpec.policy` set (`--gamma auto`), `draft_step` chooses the
+round's draft length and verify width on device from measured costs and each
+row's acceptance (`engine.shape`), and `commit` updates those estimates.
+
 `run_loop` is `jax.jit` around `lax.while_loop(cond, draft_step then
 verify_step)` with the state donated, so caches update in place and nothing
 crosses to the host until every row is done. gamma = 0 is plain
@@ -28,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax import rng
-from specdec_jax.drafters.base import DraftContext, RoundOutcome
+from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
+from specdec_jax.engine import shape
 from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.sampling import PenaltyCounts, process_logits
@@ -51,7 +56,8 @@ def draft_room(spec: EngineSpec, state: DecodeState) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0)
 def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
-    """The drafter proposes up to gamma tokens per live row, capped by `draft_room`."""
+    """The drafter proposes up to gamma tokens per live row, capped by `draft_room`; with a shape
+    policy, as many as the round's chosen shapes allow (`engine.shape`)."""
     if spec.gamma == 0:
         return state
     room = draft_room(spec, state)
@@ -61,9 +67,45 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
         target=spec.target,
     )
-    proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
+    policy = spec.policy
+    if policy is None:
+        proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
+        num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
+        return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
+    live = ~state.done
+    drafted = shape.choose_draft(policy, state.acceptance, live, room)
+    proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
     num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
+    verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted)
+    num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
     return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
+
+
+def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, ctx: DraftContext,
+                    index: jax.Array):
+    """The drafter's proposal at gammas[index] (a `lax.switch` over the policy's gammas; a free
+    drafter always drafts G), padded to G drafts and to the structure of a G-draft proposal."""
+    def at(gamma: int):
+        def run(drafter_state):
+            proposal, drafter_state = spec.drafter.propose(params.drafter, drafter_state, ctx, gamma)
+            return _pad_proposal(proposal, full), drafter_state
+        return run
+
+    full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], state.drafter_state)
+    if spec.policy.free_drafts:
+        return at(spec.gamma)(state.drafter_state)
+    return jax.lax.switch(index, [at(g) for g in spec.policy.gammas], state.drafter_state)
+
+
+def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
+    """`proposal` with drafts (and laws, zeros where none were drawn) widened to like's G columns."""
+    pad = like.drafts.shape[1] - proposal.drafts.shape[1]
+    drafts = jnp.pad(proposal.drafts, ((0, 0), (0, pad)))
+    probs = None
+    if like.probs is not None:
+        probs = (jnp.zeros(like.probs.shape, like.probs.dtype) if proposal.probs is None
+                 else jnp.pad(proposal.probs, ((0, 0), (0, pad), (0, 0))))
+    return Proposal(drafts.astype(like.drafts.dtype), proposal.num_draft.astype(jnp.int32), probs)
 
 
 def target_pass(spec: EngineSpec, target_params, state: DecodeState):
@@ -134,10 +176,12 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), spec.record_top_k)  # [B,G+1,k]
         target_top = (target_top[0].at[rows, index].set(ids, mode="drop"),
                       target_top[1].at[rows, index].set(logp, mode="drop"))
-    drafter_state = state.drafter_state
+    drafter_state, acceptance = state.drafter_state, state.acceptance
     if spec.gamma > 0:
         outcome = RoundOutcome(n_emit=n_emit, n_accepted=n_accepted, num_tokens=num_tokens, features=hidden)
         drafter_state = spec.drafter.commit(params.drafter, drafter_state, outcome)
+    if spec.policy is not None:
+        acceptance = shape.update(spec.policy, acceptance, live, state.proposal.num_draft, result.n_accepted)
     return state.replace(
         tokens=state.tokens.at[rows, index].set(result.tokens, mode="drop"),
         num_tokens=num_tokens,
@@ -149,6 +193,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         counters=state.counters.add_round(live, state.proposal.num_draft, result.n_accepted, n_emit, width_index),
         step=state.step + 1,
         target_top=target_top,
+        acceptance=acceptance,
     )
 
 

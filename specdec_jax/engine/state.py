@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specdec_jax.drafters.base import Drafter, Proposal
+from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.metrics import Counters, Metrics
 from specdec_jax.sampling import RowSampling
@@ -32,20 +33,28 @@ class EngineSpec:
 
     target: TargetModel
     drafter: Drafter | None  # None (or gamma 0): plain decoding
-    gamma: int  # drafts per round
+    gamma: int  # drafts per round (with a policy: the most, policy.max_gamma)
     capacity: int  # T, KV slots per row
     stop_ids: tuple[int, ...] = ()  # tokens that end a row (kept in its output)
     record_top_k: int = 0  # > 0: keep the target's k most likely tokens and log-probs at every emitted token
     mesh: Mesh | None = None  # devices the state is sharded over (specdec_jax.sharding); None: one device
+    policy: ShapePolicy | None = None  # None: every round drafts gamma; else the shape is chosen per round
+
+    def __post_init__(self):
+        if self.policy is not None and self.policy.max_gamma != self.gamma:
+            raise ValueError(f"the shape policy's largest gamma ({self.policy.max_gamma}) must be gamma ({self.gamma})")
 
     @property
     def verify_widths(self) -> tuple[int, ...]:
-        """Widths the verify pass is compiled at: 1 (no row has a draft) and gamma + 1.
+        """Widths the verify pass is compiled at: 1 (no row has a draft) and gamma + 1, or with a
+        policy g + 1 for each of its gammas.
 
         A round where the drafter found nothing then costs one plain decoding step.
-        Intermediate widths were measured to add nothing for the n-gram drafter
-        (its drafts are almost always gamma long) and cost a compile each.
+        Without a policy, intermediate widths were measured to add nothing for the
+        n-gram drafter (its drafts are almost always gamma long) and cost a compile each.
         """
+        if self.policy is not None:
+            return tuple(g + 1 for g in self.policy.gammas)
         return (1,) if self.gamma == 0 else (1, self.gamma + 1)
 
     @property
@@ -87,6 +96,7 @@ class DecodeState:
     counters: Counters
     step: jax.Array  # i32[] loop iterations so far
     target_top: tuple[jax.Array, jax.Array] | None = None  # (i32, f32)[B,Tbuf,k] record_top_k's buffers
+    acceptance: jax.Array | None = None  # f32[B,G] per-row acceptance estimates (engine.shape); None without a policy
 
 
 @dataclasses.dataclass(frozen=True)

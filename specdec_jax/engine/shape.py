@@ -1,0 +1,124 @@
+"""Choosing the draft shape per round from the device's costs and each row's acceptance (DESIGN section 11).
+
+A `ShapePolicy` names the draft lengths the program is compiled for
+(`gammas`, ascending, 0 = a plain decoding step) and what each costs on the
+running device in units of T1, one 1-token target step: `verify_cost[i]` =
+Tv(gammas[i] + 1) / T1 and `draft_cost[i]` = the drafter's proposal of
+gammas[i] tokens / T1 (`specdec_jax.engine.calibration` measures both). The
+loop state carries per row `acceptance f32[B,G]`: an estimate of
+P(draft i accepted | drafts 1..i-1 accepted). A row's expected tokens from a
+chain of g drafts are
+
+    E(g) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_g.
+
+Each round, on device:
+
+1. before drafting (`choose_draft`): the g that maximises
+   sum_live E_row(min(g, room)) / (draft_cost(g) + verify_cost(g)). A drafter whose
+   whole proposal is free (`free_drafts`: the n-gram lookup) always drafts G,
+   so what it finds (a row without a match has no drafts) informs step 2;
+2. after drafting (`choose_verify`): the verify shape g_v <= g that maximises
+   sum_live E_row(min(g_v, num_draft)) / (draft_cost(g) + verify_cost(g_v)); drafts
+   past g_v are dropped. A row without drafts counts 1 at every shape, so rows
+   whose drafts keep failing (a ~ 0) stop widening the batch's verify pass: the
+   per-row opt-out falls out of the batch's choice;
+3. after verification (`update`): each position a row verified moves its
+   estimate toward the outcome (weight `learn`). Positions not verified drift:
+   position 1 toward `prior` (weight `relax` per round), so a row that stopped
+   drafting tries again later; position i > 1 toward the estimate of position
+   i - 1 (weight `follow`), so depths never tried are assumed as good as the
+   depth above them (conditional acceptance rarely falls fast with depth), and a
+   row that accepts well is soon offered a longer chain.
+
+The choice depends only on earlier rounds, so stochastic verification stays
+exact: each round preserves the target's law whatever its shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is treated as free
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePolicy:
+    """The compiled draft lengths, their measured costs (units of T1) and the estimator's constants."""
+
+    gammas: tuple[int, ...]  # ascending, gammas[0] == 0
+    verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
+    draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
+    prior: float = 0.5  # acceptance assumed before a position is observed
+    learn: float = 0.25  # weight of a new observation
+    relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
+    follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
+
+    def __post_init__(self):
+        gammas = tuple(int(g) for g in self.gammas)
+        object.__setattr__(self, "gammas", gammas)
+        object.__setattr__(self, "verify_cost", tuple(float(c) for c in self.verify_cost))
+        object.__setattr__(self, "draft_cost", tuple(float(c) for c in self.draft_cost))
+        if not gammas or gammas[0] != 0 or any(b <= a for a, b in zip(gammas, gammas[1:])):
+            raise ValueError(f"gammas must ascend strictly from 0, got {gammas}")
+        if not len(self.verify_cost) == len(self.draft_cost) == len(gammas):
+            raise ValueError("verify_cost and draft_cost need one entry per gamma")
+        if min(self.verify_cost) <= 0 or min(self.draft_cost) < 0:
+            raise ValueError("verify costs must be > 0 and draft costs >= 0")
+        for name in ("prior", "learn", "relax", "follow"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    @property
+    def max_gamma(self) -> int:
+        return self.gammas[-1]
+
+    @property
+    def free_drafts(self) -> bool:
+        return self.draft_cost[-1] <= FREE_DRAFTS
+
+
+def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, ...]) -> jax.Array:
+    """f32[B,S]: E_row(min(gammas[s], limit[b])) for acceptance f32[B,G] and limit i32[B]."""
+    reach = jnp.cumprod(acceptance, axis=1)  # P(drafts 1..i all accepted)
+    accepted = jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=1)], axis=1)  # [B,G+1]
+    drafts = jnp.minimum(jnp.asarray(gammas, jnp.int32)[None, :], jnp.maximum(limit, 0)[:, None])
+    return 1.0 + jnp.take_along_axis(accepted, drafts, axis=1)
+
+
+def _best(policy: ShapePolicy, acceptance, live, limit, draft_cost, allowed=None) -> jax.Array:
+    tokens = jnp.sum(jnp.where(live[:, None], expected_tokens(acceptance, limit, policy.gammas), 0.0), axis=0)
+    rate = tokens / (draft_cost + jnp.asarray(policy.verify_cost, jnp.float32))
+    if allowed is not None:
+        rate = jnp.where(allowed, rate, -jnp.inf)
+    return jnp.argmax(rate).astype(jnp.int32)
+
+
+def choose_draft(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, room: jax.Array) -> jax.Array:
+    """i32[]: index into gammas of the proposal to draw (step 1 of the module docstring)."""
+    if policy.free_drafts:
+        return jnp.asarray(len(policy.gammas) - 1, jnp.int32)
+    return _best(policy, acceptance, live, room, jnp.asarray(policy.draft_cost, jnp.float32))
+
+
+def choose_verify(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
+                  drafted: jax.Array) -> jax.Array:
+    """i32[]: index into gammas of the verify shape, at most ``drafted`` (step 2)."""
+    sunk = jnp.asarray(policy.draft_cost, jnp.float32)[drafted]
+    allowed = jnp.arange(len(policy.gammas)) <= drafted
+    return _best(policy, acceptance, live, num_draft, sunk, allowed)
+
+
+def update(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
+           n_accepted: jax.Array) -> jax.Array:
+    """f32[B,G]: estimates after a round in which each row verified num_draft drafts and accepted
+    the first n_accepted (step 3): positions 1..min(n_accepted + 1, num_draft) were observed."""
+    position = jnp.arange(acceptance.shape[1])[None, :]
+    observed = live[:, None] & (position < num_draft[:, None]) & (position <= n_accepted[:, None])
+    outcome = (position < n_accepted[:, None]).astype(acceptance.dtype)
+    learned = jnp.where(observed, acceptance + policy.learn * (outcome - acceptance), acceptance)
+    above = jnp.concatenate([jnp.full_like(learned[:, :1], policy.prior), learned[:, :-1]], axis=1)
+    rate = jnp.where(position == 0, policy.relax, policy.follow)
+    return jnp.where(observed, learned, acceptance + rate * (above - acceptance))

@@ -1,0 +1,167 @@
+"""gamma "auto": the per-round shape choice (engine.shape) and its calibration (engine.calibration).
+
+References are closed forms (theory.expected_tokens_per_round), hand-computed
+choices, and plain decoding; the oracle drafter (acceptance exactly alpha per
+position) shows the choice follows acceptance: alpha 0 settles on plain steps,
+alpha 1 on the widest shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import engine_helpers as H
+from specdec_jax import engine, theory
+from specdec_jax.engine import ShapePolicy, calibration, shape
+
+GAMMAS = (0, 1, 2, 4)
+CPU_COSTS = (1.0, 1.38, 1.46, 1.79)  # Tv(g + 1) / T1 measured on the project's CPU (DESIGN section 11)
+
+
+def policy(draft=(0.0, 0.0, 0.0, 0.0), verify=CPU_COSTS, **estimator) -> ShapePolicy:
+    return ShapePolicy(GAMMAS, verify, draft, **estimator)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
+def test_expected_tokens_match_the_closed_form(alpha):
+    acceptance = jnp.full((2, 4), alpha)
+    got = np.asarray(shape.expected_tokens(acceptance, jnp.array([4, 1]), GAMMAS))
+    want = [theory.expected_tokens_per_round(alpha, g) for g in GAMMAS]
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    np.testing.assert_allclose(got[1], [want[0]] + [want[1]] * 3, rtol=1e-6)  # room for one draft only
+
+
+def test_choices_follow_acceptance_and_costs():
+    live, room = jnp.array([True]), jnp.array([4])
+    # a = 0.8: E = 1, 1.8, 2.44, 3.36 -> per T1: 1, 1.30, 1.67, 1.88: the widest chain
+    assert int(shape.choose_draft(policy((0, .1, .1, .1)), jnp.full((1, 4), 0.8), live, room)) == 3
+    # a = 0.2: E = 1, 1.2, 1.24, 1.25 -> per T1: 1, 0.87, 0.85, 0.70: plain decoding
+    assert int(shape.choose_draft(policy((0, .1, .1, .1)), jnp.full((1, 4), 0.2), live, room)) == 0
+    # a free drafter always drafts G; the verify choice then decides
+    assert int(shape.choose_draft(policy(), jnp.full((1, 4), 0.2), live, room)) == 3
+    assert int(shape.choose_verify(policy(), jnp.full((1, 4), 0.2), live, jnp.array([4]), jnp.array(3))) == 0
+    # a = (0.9, 0.1, ...): E = 1, 1.9, 1.99, 2.0 -> per T1: 1, 1.377, 1.363, 1.12: one draft
+    acceptance = jnp.array([[0.9, 0.1, 0.1, 0.1]])
+    assert int(shape.choose_verify(policy(), acceptance, live, jnp.array([4]), jnp.array(3))) == 1
+    # ... unless the row found no draft (n-gram miss): then nothing is verified
+    assert int(shape.choose_verify(policy(), acceptance, live, jnp.array([0]), jnp.array(3))) == 0
+    # finished rows do not count: a good finished row and a bad live row give plain decoding
+    two = jnp.array([[0.95] * 4, [0.05] * 4])
+    assert int(shape.choose_verify(policy(), two, jnp.array([False, True]), jnp.array([4, 4]), jnp.array(3))) == 0
+    # verification never exceeds what was drafted
+    assert int(shape.choose_verify(policy(), jnp.full((1, 4), 0.99), live, jnp.array([4]), jnp.array(1))) == 1
+
+
+def test_estimates_learn_what_was_verified_and_drift_where_nothing_was():
+    p = policy(prior=0.5, learn=0.5, relax=0.1, follow=0.2)
+    a = jnp.array([[0.6, 0.6, 0.6, 0.6], [0.6, 0.6, 0.6, 0.6], [0.2, 0.8, 0.6, 0.6]])
+    # row 0: 3 drafts, 1 accepted (positions 1, 2 observed); row 1: finished; row 2: no drafts
+    new = np.asarray(shape.update(p, a, jnp.array([True, False, True]), jnp.array([3, 3, 0]), jnp.array([1, 0, 0])))
+    np.testing.assert_allclose(new[0], [0.8, 0.3, 0.6 + 0.2 * (0.3 - 0.6), 0.6], rtol=1e-6)
+    np.testing.assert_allclose(new[1], [0.6 + 0.1 * (0.5 - 0.6), 0.6, 0.6, 0.6], rtol=1e-6)
+    np.testing.assert_allclose(new[2], [0.2 + 0.1 * 0.3, 0.8 + 0.2 * (0.2 - 0.8), 0.6 + 0.2 * 0.2, 0.6], rtol=1e-6)
+
+
+def test_bad_policies_and_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="ascend strictly from 0"):
+        ShapePolicy((1, 2), (1.0, 1.1), (0.0, 0.0))
+    with pytest.raises(ValueError, match="one entry per gamma"):
+        ShapePolicy((0, 1), (1.0,), (0.0, 0.0))
+    with pytest.raises(ValueError, match="learn"):
+        policy(learn=2.0)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.generate(H.target(), H.RAGGED, gamma="auto")
+    with pytest.raises(ValueError, match="exclude each other"):
+        engine.generate(H.target(), H.RAGGED, H.ngram(), gamma=3, policy=policy())
+    with pytest.raises(ValueError, match="int >= 0 or 'auto'"):
+        engine.generate(H.target(), H.RAGGED, H.ngram(), gamma="fast")
+
+
+@pytest.mark.parametrize("name", ["ngram", "model", "oracle-0.5"])
+def test_auto_is_lossless(name):
+    drafter = {"ngram": H.ngram, "model": H.model_drafter, "oracle-0.5": lambda: H.oracle(0.5)}[name]()
+    costs = policy() if name == "ngram" else policy((0.05, 0.1, 0.2, 0.4))
+    out = engine.generate(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
+    assert out.tokens == H.reference_no_eos().tokens
+    assert sum(out.metrics.width_rounds) == out.loop_rounds
+
+
+def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
+    costs = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.1, 1.2, 1.4))
+    bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=costs, max_new_tokens=H.MAX_NEW)
+    assert bad.metrics.width_rounds[0] >= 0.75 * bad.loop_rounds, bad.metrics  # plain steps, a few probes
+    good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=costs, max_new_tokens=H.MAX_NEW)
+    assert good.metrics.width_rounds[-1] >= 0.4 * good.loop_rounds, good.metrics  # the widest chain, soon
+    assert good.metrics.mean_accepted_length > 3.5
+    for out in (bad, good):
+        assert out.tokens == H.reference_no_eos().tokens
+
+
+def test_eagle_stays_in_step_through_rounds_without_speculation():
+    """Under a policy that mixes plain and speculative rounds, every first draft of an EAGLE head
+    equals the head's prediction from a fresh full pass over the committed tokens and their real
+    target features: the gamma-0 rounds kept its cache in step."""
+    import jax
+
+    from specdec_jax.drafters import EagleConfig, EagleDrafter
+    from specdec_jax.drafters.eagle import head_logits, head_pass, init_eagle
+
+    cfg = H.target().config
+    head = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    drafter = EagleDrafter(head, init_eagle(head, jax.random.key(0)))
+    # prior 1, forget at once, relax fast: rounds alternate between probes and plain steps
+    costs = policy((0.0, 0.3, 0.6, 1.2), verify=(1.0, 1.2, 1.4, 1.8), prior=1.0, learn=1.0, relax=0.5)
+    run = engine.prepare(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
+    model, params = H.target().as_target()
+
+    def fresh_first_draft(sequence):  # the head over the whole sequence: logits of the token after it
+        tokens = jnp.asarray(sequence, jnp.int32)[None]
+        n = tokens.shape[1]
+        positions = jnp.arange(n, dtype=jnp.int32)[None]
+        _, hidden, _ = model.apply(params, tokens, model.init_cache(1, n), positions, None, (-1,))
+        h, _ = head_pass(head, drafter.params, model, params, tokens[:, 1:], hidden[0, :, :-1],
+                         head.layer.init_cache(1, n), positions[:, :-1])
+        return int(jnp.argmax(head_logits(head, drafter.params, model, params, h[0, -1])))
+
+    state, plain_rounds, checked = run.state, 0, 0
+    while not bool(state.done[: run.num_rows].all()):
+        state = engine.draft_step(run.spec, run.params, state)
+        num_draft, drafts = np.asarray(state.proposal.num_draft), np.asarray(state.proposal.drafts)
+        plain_rounds += int(num_draft.max() == 0)
+        for b in np.flatnonzero(num_draft[: run.num_rows]):
+            n = int(state.num_tokens[b])
+            assert drafts[b, 0] == fresh_first_draft(np.asarray(state.tokens[b, :n])), (b, n)
+            checked += 1
+        state = engine.verify_step(run.spec, run.params, state)
+    assert plain_rounds >= 3 and checked >= 10, (plain_rounds, checked)
+
+
+def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(target, drafter, batch, capacity, gammas):
+        calls.append(batch)
+        return {"T1": 0.01, "verify_s": [0.01, 0.012, 0.014, 0.02], "draft_s": [0.0, 0.001, 0.002, 0.004],
+                "gammas": list(gammas)}
+
+    monkeypatch.setattr(calibration, "measure_costs", fake)
+    first = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
+    again = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
+    assert calls == [4] and first == again
+    assert first.verify_cost == pytest.approx((1.0, 1.2, 1.4, 2.0)) and first.draft_cost[-1] == pytest.approx(0.4)
+    calibration.shape_policy(H.target(), H.ngram(), 8, 128)  # another batch: measured apart
+    calibration.shape_policy(H.target(), H.ngram(), 4, 128, refresh=True)
+    assert calls == [4, 8, 4]
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
+    assert len(saved) == 2 and all('"batch": ' in s["key"] for s in saved)
+
+
+def test_measured_costs_have_one_entry_per_shape():
+    costs = calibration.measure_costs(H.target(), H.ngram(), 2, 64, (0, 1, 2))
+    assert costs["gammas"] == [0, 1, 2] and len(costs["verify_s"]) == len(costs["draft_s"]) == 3
+    assert costs["T1"] == costs["verify_s"][0] and min(costs["verify_s"]) > 0 and min(costs["draft_s"]) >= 0
