@@ -74,6 +74,16 @@ def share_data(source: pathlib.Path, target: pathlib.Path) -> None:
         shutil.copytree(source / "data", target / "data")
 
 
+def heldout_prompts_file(folder: pathlib.Path) -> pathlib.Path:
+    """A prompts file (first turns) of the held-out Spec-Bench questions of the heads' split, in `folder`."""
+    tc = train_config(HEAD_CONFIGS["eagle"])
+    _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
+    path = folder / "heldout_prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
+                                          "turns": q["turns"][:1]}) for q in held))
+    return path
+
+
 def open_ended_speedup(report: dict) -> float:
     """Decode-phase speedup over the writing, roleplay and qa batches together (summed tokens and times)."""
     rows = [b for b in report["batches"] if b["categories"][0] in OPEN_ENDED]
@@ -106,12 +116,9 @@ def main(argv=None) -> int:
     for kind in heads:
         shutil.copy(run_folder(kind) / "training_curve.png", args.out / f"training_curve_{kind}.png")
     tc = train_config(HEAD_CONFIGS["eagle"])
-    _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     reports, summary = {}, {}
     with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
-        prompts = pathlib.Path(folder) / "heldout_prompts.jsonl"
-        prompts.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
-                                                 "turns": q["turns"][:1]}) for q in held))
+        prompts = heldout_prompts_file(pathlib.Path(folder))
         for temperature in args.temperatures:
             for drafter in args.drafters if temperature == 0 else (args.sampled_drafters or args.drafters):
                 cfg = RunConfig(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,

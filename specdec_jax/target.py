@@ -23,6 +23,10 @@ with these semantics (DESIGN sections 3 and 9):
   ``hidden = None``. Drafters that read the target (EAGLE, Medusa) declare the
   layers they need; the engine asks for exactly those.
 - ``compute_logits=False`` skips the LM head (prefill), ``logits = None``.
+- ``defer_writes=True`` only reads the cache and returns the block's keys and
+  values as a ``KVBlock`` in place of the cache (the engine writes it with
+  ``cache.write_block`` outside the ``lax.switch`` over verify widths, where a
+  write would copy the cache); the outputs are those of the writing pass.
 
 Besides ``apply``: ``embed(params, tokens i32[B,S]) -> f32[B,S,H]`` (the input
 embedding) and ``logits_of(params, normed f32[B,S,H]) -> f32[B,S,V]`` (the LM
@@ -44,7 +48,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import KVBlock, KVCache
 
 FINAL_NORM = -1  # hidden_layers entry: the final-norm hidden state (the LM head's input)
 
@@ -59,7 +63,8 @@ class TargetModel(Protocol):
 
     def apply(self, params: Any, tokens: jax.Array, cache: KVCache, positions: jax.Array,
               block_mask: jax.Array | None = None, hidden_layers: tuple[int, ...] = (), *,
-              compute_logits: bool = True) -> tuple[jax.Array | None, jax.Array | None, KVCache]: ...
+              compute_logits: bool = True,
+              defer_writes: bool = False) -> tuple[jax.Array | None, jax.Array | None, KVCache | KVBlock]: ...
 
     def embed(self, params: Any, tokens: jax.Array) -> jax.Array: ...
 

@@ -343,7 +343,7 @@ BAD_INPUTS = {
     "empty prompt": (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
     "token too large": (dict(prompts=[[1, 258]]), "outside the vocabulary"),
     "negative token": (dict(prompts=[[-1, 3]]), "outside the vocabulary"),
-    "negative gamma": (dict(gamma=-1), "gamma must be >= 0"),
+    "negative gamma": (dict(gamma=-1), "gamma must be an int >= 0"),
     "gamma without drafter": (dict(drafter=None, gamma=2), "needs a drafter"),
     "zero max_new_tokens": (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
     "eos out of range": (dict(eos_id=258), "stop token id 258"),

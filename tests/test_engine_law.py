@@ -27,7 +27,7 @@ from scipy import stats
 from specdec_jax.audit import chi_square, continuation_codes, noisy_copy, sequence_law
 from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
 from specdec_jax.drafters.eagle import init_eagle
-from specdec_jax.engine import generate
+from specdec_jax.engine import ShapePolicy, generate
 from specdec_jax.models import Llama, LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
 
@@ -90,15 +90,21 @@ def medusa_heads() -> MedusaDrafter:
     return MedusaDrafter(MedusaConfig(h, V, 3), params)
 
 
+# gamma "auto": a fixed policy (not a calibration, so the run is deterministic) under which the
+# batch's shape changes from round to round as the estimates move
+AUTO_POLICY = ShapePolicy((0, 1, 3), (1.0, 1.2, 1.5), (0.0, 0.1, 0.3), prior=0.9)
+
+
 @functools.cache
-def spec_samples(drafter_name: str, gamma: int, seed: int, new: int = NEW):
+def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW):
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
                 "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads}
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
     # for 65,536 rows, several seconds less per call.
-    out = generate(target(), [PROMPT] * N, drafter, gamma=gamma, sampling=SAMPLED, max_new_tokens=new, seed=seed,
-                   capacity=16)
+    policy = AUTO_POLICY if gamma == "auto" else None
+    out = generate(target(), [PROMPT] * N, drafter, gamma=gamma, policy=policy, sampling=SAMPLED, max_new_tokens=new,
+                   seed=seed, capacity=16)
     tokens = np.asarray(out.tokens)
     assert tokens.shape == (N, new)
     return continuation_codes(tokens, V), out.metrics
@@ -106,11 +112,11 @@ def spec_samples(drafter_name: str, gamma: int, seed: int, new: int = NEW):
 
 # (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
 CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
-         ("medusa", 3, 16, 4)]
+         ("medusa", 3, 16, 4), ("model", "auto", 17, 4)]
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
-                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3"])
+                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
@@ -118,6 +124,9 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     # The acceptance path was really exercised: drafts were both accepted and rejected,
     # and rounds verified all gamma drafts (the last one accepted too, now and then).
     assert metrics.draft_tokens > N and 0.1 < metrics.acceptance_rate < 0.99, metrics
+    if gamma == "auto":  # the shape changed between rounds: some verified one draft, some three
+        assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
+        gamma = AUTO_POLICY.max_gamma
     assert metrics.position_proposed[gamma - 1] > N / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
     if drafter == "reduced":  # tokens the draft cannot propose came (from the residual) at the target's rate
         digits = np.stack([codes // V**2, codes // V % V, codes % V])

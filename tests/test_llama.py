@@ -387,3 +387,30 @@ def test_hidden_layers_match_the_reference(params, tokens):
             np.testing.assert_allclose(hidden[index, b], expected[layer], **TOL)
     with pytest.raises(ValueError, match="hidden layer 2"):
         apply(CFG, params, jnp.asarray(tokens), CFG.init_cache(B, T), positions, None, (CFG.num_layers,))
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_deferred_writes_match_the_reference_and_write_the_same_cache(params, tree):
+    """A pass that only reads the cache (defer_writes, the engine's verify pass) gives the numpy
+    reference's logits over ragged committed prefixes with stale slots, and its KVBlock written
+    afterwards equals the cache a writing pass leaves."""
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, CFG.vocab_size, (B, PREFIX))
+    lengths = np.array([2, PREFIX, 5])
+    cache = prefilled(params, prefix, np.zeros(B)).with_lengths(jnp.asarray(lengths, jnp.int32))  # stale past lengths
+    nodes = rng.integers(0, CFG.vocab_size, (B, len(TREE_PARENTS)))
+    mask, depth = tree_mask_and_depth(TREE_PARENTS) if tree else (np.tril(np.ones((len(TREE_PARENTS),) * 2, bool)),
+                                                                 np.arange(len(TREE_PARENTS)))
+    positions = jnp.asarray(lengths[:, None] + depth[None, :], jnp.int32)
+    block_mask = jnp.asarray(np.broadcast_to(mask, (B,) + mask.shape)) if tree else None
+    apply_fn = jax.jit(functools.partial(apply, CFG), static_argnames=("defer_writes",))
+    want_logits, _, want_cache = apply_fn(params, jnp.asarray(nodes, jnp.int32), cache, positions, block_mask)
+    logits, _, block = apply_fn(params, jnp.asarray(nodes, jnp.int32), cache, positions, block_mask, defer_writes=True)
+    for b in range(B):
+        for i in range(len(TREE_PARENTS)):
+            path = path_to(TREE_PARENTS, i) if tree else list(range(i + 1))
+            chain = np.concatenate([prefix[b, : lengths[b]], nodes[b, path]])
+            np.testing.assert_allclose(logits[b, i], reference_logits(CFG, params, chain)[-1], **TOL)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    for got, want in zip(cache.write_block(block).stacked(), want_cache.stacked()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -118,14 +118,14 @@ def test_eagle_stays_in_step_through_rounds_without_speculation():
     run = engine.prepare(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
     model, params = H.target().as_target()
 
-    def fresh_first_draft(sequence):  # the head over the whole sequence: logits of the token after it
-        tokens = jnp.asarray(sequence, jnp.int32)[None]
-        n = tokens.shape[1]
-        positions = jnp.arange(n, dtype=jnp.int32)[None]
-        _, hidden, _ = model.apply(params, tokens, model.init_cache(1, n), positions, None, (-1,))
+    @jax.jit
+    def fresh_first_draft(tokens, n):  # the head over tokens[:, :n] (causal: the padding is unseen)
+        width = tokens.shape[1]
+        positions = jnp.arange(width, dtype=jnp.int32)[None]
+        _, hidden, _ = model.apply(params, tokens, model.init_cache(1, width), positions, None, (-1,))
         h, _ = head_pass(head, drafter.params, model, params, tokens[:, 1:], hidden[0, :, :-1],
-                         head.layer.init_cache(1, n), positions[:, :-1])
-        return int(jnp.argmax(head_logits(head, drafter.params, model, params, h[0, -1])))
+                         head.layer.init_cache(1, width - 1), positions[:, :-1])
+        return jnp.argmax(head_logits(head, drafter.params, model, params, h[0, n - 2]))
 
     state, plain_rounds, checked = run.state, 0, 0
     while not bool(state.done[: run.num_rows].all()):
@@ -134,7 +134,7 @@ def test_eagle_stays_in_step_through_rounds_without_speculation():
         plain_rounds += int(num_draft.max() == 0)
         for b in np.flatnonzero(num_draft[: run.num_rows]):
             n = int(state.num_tokens[b])
-            assert drafts[b, 0] == fresh_first_draft(np.asarray(state.tokens[b, :n])), (b, n)
+            assert drafts[b, 0] == int(fresh_first_draft(state.tokens[b : b + 1, :run.spec.capacity], n)), (b, n)
             checked += 1
         state = engine.verify_step(run.spec, run.params, state)
     assert plain_rounds >= 3 and checked >= 10, (plain_rounds, checked)

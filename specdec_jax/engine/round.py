@@ -113,7 +113,9 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
     inputs ``[t0, drafts]`` at slots and positions ``lengths + s``.
 
     It runs at the narrowest of ``spec.verify_widths`` that holds every row's drafts;
-    columns past that width are zeros and are never read.
+    columns past that width are zeros and are never read. The chosen width's pass only reads
+    the cache; its keys/values are written after the ``lax.switch`` (a write inside a branch
+    would copy the cache every round).
     """
     drafts = state.proposal.drafts
     t0 = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)
@@ -122,20 +124,24 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
 
     def at_width(width: int):
         def run(cache: KVCache):
-            logits, hidden, cache = spec.target.apply(
-                target_params, inputs[:, :width], cache, positions[:, :width], None, spec.hidden_layers)
+            logits, hidden, block = spec.target.apply(
+                target_params, inputs[:, :width], cache, positions[:, :width], None, spec.hidden_layers,
+                defer_writes=True)
             pad = inputs.shape[1] - width
             logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
             if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
                 hidden = jnp.pad(hidden.transpose(1, 2, 0, 3), ((0, 0), (0, pad), (0, 0), (0, 0)))
-            return logits, hidden, cache
+            return logits, hidden, block.padded(inputs.shape[1])
         return run
 
     widths = spec.verify_widths
     if len(widths) == 1:
-        return (*at_width(widths[0])(state.cache), jnp.zeros((), jnp.int32))
-    branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
-    return (*jax.lax.switch(branch, [at_width(w) for w in widths], state.cache), branch)
+        branch = jnp.zeros((), jnp.int32)
+        logits, hidden, block = at_width(widths[0])(state.cache)
+    else:
+        branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
+        logits, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
+    return logits, hidden, state.cache.write_block(block), branch
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:

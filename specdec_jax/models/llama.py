@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import KVBlock, KVCache
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, chain_positions
 
@@ -198,20 +198,33 @@ def visibility(lengths: jax.Array, steps: int, slots: int, block_mask: jax.Array
     return (offset < 0) | ((offset < steps) & in_block)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+              block: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention of the block over cache slots.
 
     ``q: [B,S,N,D]``, ``k: [B,K,W,D]``, ``v: [B,K,D,W]`` (slots ``0..W-1``; the
     cache layout, in which both products contract the minor axis), ``visible:
-    bool[B,S,W]`` (:func:`visibility`). Returns ``[B,S,N,D]``.
+    bool[B,S,W]`` (:func:`visibility`). With ``block = (k_b [B,S,K,D], v_b
+    [B,S,K,D], visible_b bool[B,S,S])`` the block's own keys/values are not in
+    the cache: the softmax runs over the visible cache slots and block tokens
+    together. Returns ``[B,S,N,D]``.
     """
     batch, steps, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,bkdt->bskgd", probs, v)
+    if block is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgst,bkdt->bskgd", probs, v)
+        return out.reshape(batch, steps, num_heads, head_dim)
+    k_block, v_block, visible_block = block
+    own = jnp.einsum("bskgd,bjkd->bkgsj", q, k_block).astype(jnp.float32) / math.sqrt(head_dim)
+    own = jnp.where(visible_block[:, None, None], own, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1).astype(v.dtype)
+    width = k.shape[2]
+    out = (jnp.einsum("bkgst,bkdt->bskgd", probs[..., :width], v)
+           + jnp.einsum("bkgsj,bjkd->bskgd", probs[..., width:], v_block))
     return out.reshape(batch, steps, num_heads, head_dim)
 
 
@@ -245,7 +258,8 @@ def apply(
     hidden_layers: tuple[int, ...] = (),
     *,
     compute_logits: bool = True,
-) -> tuple[jax.Array | None, jax.Array | None, KVCache]:
+    defer_writes: bool = False,
+) -> tuple[jax.Array | None, jax.Array | None, KVCache | KVBlock]:
     """The target pass of ``specdec_jax.target`` (its docstring fixes the semantics).
 
     ``tokens: i32[B,S]`` are written at slots ``cache.lengths[b] + s``, rotated by
@@ -260,7 +274,8 @@ def apply(
     for layer in hidden_layers:
         if not (layer == FINAL_NORM or 0 <= layer < cfg.num_layers):
             raise ValueError(f"hidden layer {layer} is not in 0..{cfg.num_layers - 1} or FINAL_NORM (-1)")
-    x, after_layer, cache = run_layers(cfg, params, params["embed"][tokens], cache, positions, block_mask)
+    x, after_layer, cache = run_layers(cfg, params, params["embed"][tokens], cache, positions, block_mask,
+                                       defer_writes=defer_writes)
     normed = None
     if compute_logits or FINAL_NORM in hidden_layers:
         normed = after_layer[FINAL_NORM] = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -271,15 +286,25 @@ def apply(
 
 
 def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, cache: KVCache,
-               positions: jax.Array, block_mask: jax.Array | None = None) -> tuple[jax.Array, dict, KVCache]:
+               positions: jax.Array, block_mask: jax.Array | None = None, *,
+               defer_writes: bool = False) -> tuple[jax.Array, dict, KVCache | KVBlock]:
     """The decoder layers over input states ``x: f32[B,S,H]`` (semantics of :func:`apply`).
 
-    Returns ``(x after the last layer, {layer index: its residual stream f32[B,S,H]}, cache)``.
+    Returns ``(x after the last layer, {layer index: its residual stream f32[B,S,H]}, cache)``;
+    with ``defer_writes`` the cache is only read and the block's keys/values come back as a
+    ``KVBlock`` instead (write them with ``cache.write_block``).
     Also the body of a one-layer drafter head that feeds its own inputs (EAGLE).
     """
     batch, steps = x.shape[:2]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
+    if defer_writes:  # committed slots from the cache, the block's own tokens from the block
+        visible = jnp.broadcast_to(jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None],
+                                   (batch, steps, cache.capacity))
+        own = jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask
+        own = jnp.broadcast_to(own, (batch, steps, steps))
+        new_k, new_v = [], []
+    else:
+        visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
 
     def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
         return y.reshape(batch, steps, num, cfg.head_dim)
@@ -290,12 +315,20 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
         k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
-        cache = cache.write(index, k, heads(linear(h, w["wv"]), cfg.num_kv_heads))
-        attn = attention(q, cache.k[index], cache.v[index], visible)
+        v = heads(linear(h, w["wv"]), cfg.num_kv_heads)
+        if defer_writes:
+            attn = attention(q, cache.k[index], cache.v[index], visible, (k, v, own))
+            new_k.append(k)
+            new_v.append(v)
+        else:
+            cache = cache.write(index, k, v)
+            attn = attention(q, cache.k[index], cache.v[index], visible)
         x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
         after_layer[index] = x
+    if defer_writes:
+        return x, after_layer, KVBlock(tuple(new_k), tuple(new_v))
     return x, after_layer, cache
 
 
@@ -348,9 +381,10 @@ class LlamaTarget:
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return self.config.init_cache(batch, capacity)
 
-    def apply(self, params, tokens, cache, positions, block_mask=None, hidden_layers=(), *, compute_logits=True):
+    def apply(self, params, tokens, cache, positions, block_mask=None, hidden_layers=(), *, compute_logits=True,
+              defer_writes=False):
         return apply(self.config, params, tokens, cache, positions, block_mask, hidden_layers,
-                     compute_logits=compute_logits)
+                     compute_logits=compute_logits, defer_writes=defer_writes)
 
     def embed(self, params, tokens: jax.Array) -> jax.Array:
         return params["embed"][tokens]

@@ -1,0 +1,117 @@
+"""Issue 17: `--gamma auto` against every fixed shape, per Spec-Bench category and batch size.
+
+For each batch size and each shape (plain decoding is the bench's own baseline,
+measured side by side in every run), `specdec-jax bench` runs the n-gram drafter
+(or `--drafter eagle --draft-model HEAD`) on the held-out Spec-Bench questions
+of the heads' split (`experiments/eagle_recipe.py`; the first `--per-category`
+of each category at batch 1, then all of them ragged in batches). Writes
+`experiments/results/auto_shape/summary.json`, `table.md` and `auto_shape.png`
+(speedup over plain per category, one bar per shape).
+
+    python experiments/auto_shape.py                                # batch 1, shapes 1 2 4 auto
+    python experiments/auto_shape.py --batch-sizes 4 16 --shapes 4 auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from eagle_recipe import heldout_prompts_file  # noqa: E402
+
+from specdec_jax.bench import bench  # noqa: E402
+from specdec_jax.config import RunConfig  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "auto_shape"
+
+
+def shape_of(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", type=shape_of, default=[1, 2, 4, "auto"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    parser.add_argument("--per-category", type=int, default=1, help="prompts per category at batch 1")
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
+        prompts = heldout_prompts_file(pathlib.Path(folder))
+        for batch in args.batch_sizes:
+            for shape in args.shapes:
+                cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, gamma=shape, batch_size=batch,
+                                max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
+                report = bench(cfg, repeats=1, per_category=args.per_category if batch == 1 else None)
+                name = f"{args.drafter}_b{batch}_g{shape}"
+                (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
+                summary[name] = {
+                    "drafter": args.drafter, "batch_size": batch, "gamma": shape,
+                    "overall": {k: report["overall"][k] for k in ("speedup", "tokens_per_round", "tie_aware_equal",
+                                                                  "verify_widths", "width_rounds", "prompts")},
+                    "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}
+                                   for c, a in report["categories"].items()}}
+                summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    (args.out / "table.md").write_text(table(summary))
+    plot(summary, args.out / "auto_shape.png")
+    print(table(summary))
+    return 0
+
+
+def table(summary: dict) -> str:
+    """Markdown: one row per (batch, category), one column per shape: speedup (tokens per round)."""
+    lines = []
+    for batch in sorted({s["batch_size"] for s in summary.values()}):
+        runs = {str(s["gamma"]): s for s in summary.values() if s["batch_size"] == batch}
+        shapes = sorted(runs, key=lambda g: (g == "auto", g))
+        categories = sorted({c for s in runs.values() for c in s["categories"]})
+        lines += [f"batch {batch}: speedup over plain decoding (tokens per round)", "",
+                  "| category | " + " | ".join(f"gamma {g}" for g in shapes) + " |",
+                  "|---|" + "---|" * len(shapes)]
+        for c in [*categories, "overall"]:
+            cells = [runs[g]["overall"] if c == "overall" else runs[g]["categories"].get(c) for g in shapes]
+            lines.append(f"| {c} | " + " | ".join("-" if x is None else f"{x['speedup']:.2f}x ({x['tokens_per_round']:.2f})"
+                                                  for x in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    batches = sorted({s["batch_size"] for s in summary.values()})
+    fig, axes = plt.subplots(len(batches), 1, figsize=(12, 3.5 * len(batches)), squeeze=False)
+    for ax, batch in zip(axes[:, 0], batches):
+        runs = {str(s["gamma"]): s for s in summary.values() if s["batch_size"] == batch}
+        shapes = sorted(runs, key=lambda g: (g == "auto", g))
+        categories = sorted({c for s in runs.values() for c in s["categories"]}) + ["overall"]
+        x = np.arange(len(categories))
+        for i, g in enumerate(shapes):
+            values = [(runs[g]["overall"] if c == "overall" else runs[g]["categories"].get(c, {})).get("speedup", np.nan)
+                      for c in categories]
+            ax.bar(x + (i - len(shapes) / 2 + 0.5) * 0.8 / len(shapes), values, 0.8 / len(shapes), label=f"gamma {g}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, categories, rotation=30, ha="right")
+        ax.set(ylabel="speedup over plain", title=f"batch {batch}")
+        ax.legend(ncol=len(shapes), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
