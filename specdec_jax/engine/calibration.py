@@ -6,8 +6,9 @@ drafter's whole proposal of g tokens, for each g of `gammas`, the way the loop
 runs them: each jitted piece donates its caches (or the whole state), fed back
 from call to call, so no timing includes a copy. `shape_policy` turns them into
 a `engine.shape.ShapePolicy` (costs in units of T1) and caches them on disk,
-one JSON file per device, target, drafter, batch, capacity and gammas, under
-`$SPECDEC_CACHE/calibration/`; `refresh=True` measures again.
+one JSON file per device, target, drafter, batch, capacity (rounded up to a
+power of two: attention over the slots is a small part of a step) and gammas,
+under `$SPECDEC_CACHE/calibration/`; `refresh=True` measures again.
 
 Measuring takes a few seconds plus one compile per shape; the cache makes the
 next run free.
@@ -103,6 +104,7 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS,
     from specdec_jax.models.fetch import cache_dir
 
     gammas = tuple(sorted({0, *map(int, gammas)}))
+    capacity = 1 << (capacity - 1).bit_length()  # one calibration per power-of-two capacity
     key = calibration_key(target, drafter, batch, capacity, gammas)
     path = cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     costs = None

@@ -25,10 +25,11 @@ Each round, on device:
 3. after verification (`update`): each position a row verified moves its
    estimate toward the outcome (weight `learn`). Positions not verified drift:
    position 1 toward `prior` (weight `relax` per round), so a row that stopped
-   drafting tries again later; position i > 1 toward the estimate of position
-   i - 1 (weight `follow`), so depths never tried are assumed as good as the
-   depth above them (conditional acceptance rarely falls fast with depth), and a
-   row that accepts well is soon offered a longer chain.
+   drafting tries again later; position i > 1 toward the larger of the prior
+   and the estimate of position i - 1 (weight `follow`): depths not tried lately
+   are assumed as good as the depth above them, or the prior (conditional
+   acceptance tends to grow with depth: a copy that started goes on), so a row
+   that accepts well is soon offered a longer chain.
 
 The choice depends only on earlier rounds, so stochastic verification stays
 exact: each round preserves the target's law whatever its shape.
@@ -51,7 +52,7 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    prior: float = 0.5  # acceptance assumed before a position is observed
+    prior: float = 0.7  # acceptance assumed before a position is observed
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
@@ -119,6 +120,6 @@ def update(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draf
     observed = live[:, None] & (position < num_draft[:, None]) & (position <= n_accepted[:, None])
     outcome = (position < n_accepted[:, None]).astype(acceptance.dtype)
     learned = jnp.where(observed, acceptance + policy.learn * (outcome - acceptance), acceptance)
-    above = jnp.concatenate([jnp.full_like(learned[:, :1], policy.prior), learned[:, :-1]], axis=1)
+    above = jnp.maximum(jnp.concatenate([jnp.zeros_like(learned[:, :1]), learned[:, :-1]], axis=1), policy.prior)
     rate = jnp.where(position == 0, policy.relax, policy.follow)
     return jnp.where(observed, learned, acceptance + rate * (above - acceptance))
