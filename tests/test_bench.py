@@ -34,7 +34,8 @@ def report(tmp_path_factory):
         {"question_id": 3, "category": "open", "turns": ["tell me"]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines))
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=NEW)
+    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=NEW,
+                    gamma=4)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench_module, "time_target_pass", lambda run, width: T_BY_WIDTH[width])
         patch.setattr(bench_module, "time_draft_step", lambda run: DRAFT_STEP)
@@ -92,6 +93,16 @@ def test_cost_model_times_each_piece_with_donated_caches():
     costs = bench_module.cost_model(H.target(), H.ngram(), 4, [H.RAGGED[2]], 64, cfg)
     assert costs["verify_widths"] == [1, 5] and all(t > 0 for t in costs["T_by_width"]) and costs["Td"] > 0
     assert (costs["T1"], costs["Tv"]) == tuple(costs["T_by_width"])
+
+
+def test_auto_cost_model_charges_each_width_its_own_drafting():
+    """gamma auto: the calibration's costs, one verify and one drafting cost per width; a free
+    drafter (the n-gram lookup, on a model where it costs more than 2% of a step it is not free)."""
+    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
+    costs = bench_module.cost_model(H.target(), H.ngram(), "auto", [H.RAGGED[2]], 64, cfg)
+    assert costs["verify_widths"] == [1, 2, 3, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 4
+    assert costs["T1"] == costs["T_by_width"][0] and all(t > 0 for t in costs["T_by_width"])
+    assert costs["Tv"] == costs["T_by_width"][-1] and costs["Td"] == pytest.approx(costs["D_by_width"][-1] / 4)
 
 
 def test_format_report_lists_every_category(report):

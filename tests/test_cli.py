@@ -8,7 +8,7 @@ import pytest
 
 from specdec_jax import cli, runner
 from specdec_jax.cli import main
-from specdec_jax.config import load_yaml, resolve
+from specdec_jax.config import RunConfig, load_yaml, resolve
 from specdec_jax.models import LoadedModel, load_model
 from specdec_jax.models.llama import Llama
 from specdec_jax.models.loading import save_model_dir
@@ -31,7 +31,7 @@ def test_bad_value_is_one_line_and_exit_2(capsys):
 # Compiles dominate the cost: every good call below shares one shape (batch 1, prompts < 16
 # bytes, capacity 64, EOS on), so only two programs are built: ngram gamma=4 and plain.
 
-BASE = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8"]
+BASE = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8", "--gamma", "4"]
 METRIC_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "emitted_tokens", "mean_accepted_length",
                "acceptance_rate", "per_position_acceptance", "wall_s", "tokens_per_s", "width_rounds"}
 
@@ -263,7 +263,7 @@ def test_bad_prompts_file(tmp_path, capsys, content, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    pytest.param(["--gamma", "-1"], "gamma must be an int >= 0, got -1", id="gamma"),
+    pytest.param(["--gamma", "-1"], "gamma must be an int >= 0 or 'auto', got -1", id="gamma"),
     pytest.param(["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5", id="top-p"),
     pytest.param(["--temperature", "-1"], "temperature must be finite and >= 0", id="temperature"),
     pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0", id="max-new-tokens"),
@@ -308,16 +308,24 @@ def test_unknown_yaml_key_names_file_and_key(tmp_path, capsys):
     assert str(config) in line and "unknown key 'gama'" in line
 
 
+def test_gamma_auto_is_the_default_and_reports_its_widths(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the calibration is cached there
+    assert RunConfig().gamma == "auto"
+    report, captured = generate_json(tmp_path, capsys, "--gamma", "auto", "--prompt", "abcabcabc")
+    assert report["config"]["gamma"] == "auto" and "calibrating shapes [0, 1, 2, 4]" in captured.out
+    assert len(report["metrics"]["width_rounds"]) == 4  # verify widths 1, 2, 3, 5
+
+
 def test_bad_yaml_value_names_file(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("gamma: many\n")
-    assert main([*BASE, "--prompt", "x", "--config", str(config)]) == 2
+    assert main([*BASE[:-2], "--prompt", "x", "--config", str(config)]) == 2  # no --gamma flag over the file
     line = one_error_line(capsys)
-    assert str(config) in line and "gamma must be an int >= 0, got 'many'" in line
+    assert str(config) in line and "gamma must be an int >= 0 or 'auto', got 'many'" in line
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--gamma", "abc"], "argument --gamma: invalid int value: 'abc'"),
+    (["--gamma", "abc"], "argument --gamma: expected an int >= 0 or 'auto', got 'abc'"),
     (["--drafter", "ngram", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_argparse_error_is_one_line_exit_2(capsys, flags, message):
