@@ -2,7 +2,8 @@
 
 For each prompt (batch 1): every program is compiled first (a 1-token run with
 the same shapes), then plain decoding (gamma 0) and speculative decoding run
-one after the other through the same engine with the same KV capacity. Prints
+alternately, REPEATS times each (medians), through the same engine with the
+same KV capacity. Prints
 both texts in two columns, whether they are identical (tie-aware, DESIGN
 section 6), the speedup, tokens per round and acceptance.
 
@@ -31,6 +32,7 @@ from specdec_jax.runner import (build_drafter, encode, format_rate, one_device_o
                                 stop_ids)
 
 
+REPEATS = 3  # timed runs of each mode per prompt (medians)
 EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head")  # where experiments/eagle_recipe.py leaves its head
 
 
@@ -67,10 +69,15 @@ def demo(cfg: RunConfig) -> dict:
             )
 
         compile_s = [run(d, 1).wall_s for d in (None, *drafters)]
-        plain = run(None, cfg.max_new_tokens)
+        outputs, walls = [None] * len(compile_s), [[] for _ in compile_s]  # plain, then each drafter
+        for _ in range(REPEATS):  # alternating, so machine noise hits every mode alike; medians kept
+            for i, drafter in enumerate((None, *drafters)):
+                outputs[i] = run(drafter, cfg.max_new_tokens)
+                walls[i].append(outputs[i].wall_s)
+        plain, plain_s = outputs[0], statistics.median(walls[0])
         margins = teacher_forced_margins(target.config, target.model.params(), ids, plain.tokens[0])
-        for c, drafter, compiled in zip(configs, drafters, compile_s[1:]):
-            spec = run(drafter, cfg.max_new_tokens)
+        for c, spec, wall, compiled in zip(configs, outputs[1:], walls[1:], compile_s[1:]):
+            spec_s = statistics.median(wall)
             same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
             rows[c.drafter].append({
                 "id": record["id"],
@@ -78,9 +85,9 @@ def demo(cfg: RunConfig) -> dict:
                 "spec_text": tok.decode(spec.tokens[0]),
                 "identical": None if same is None else same.exact,
                 "tie_aware_equal": None if same is None else same.ok,
-                "plain_tokens_per_s": len(plain.tokens[0]) / plain.wall_s,
-                "spec_tokens_per_s": len(spec.tokens[0]) / spec.wall_s,
-                "speedup": (len(spec.tokens[0]) / spec.wall_s) / (len(plain.tokens[0]) / plain.wall_s),
+                "plain_tokens_per_s": len(plain.tokens[0]) / plain_s,
+                "spec_tokens_per_s": len(spec.tokens[0]) / spec_s,
+                "speedup": (len(spec.tokens[0]) / spec_s) / (len(plain.tokens[0]) / plain_s),
                 "tokens_per_round": spec.metrics.mean_accepted_length,
                 "acceptance_rate": spec.metrics.acceptance_rate,
                 "width_rounds": spec.metrics.width_rounds,

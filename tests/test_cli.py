@@ -334,3 +334,27 @@ def test_argparse_error_is_one_line_exit_2(capsys, flags, message):
     assert exit_info.value.code == 2
     line = one_error_line(capsys)
     assert message in line
+
+
+def test_demo_runs_each_drafter_beside_plain_decoding(capsys):
+    from specdec_jax.demo import demo
+
+    cfg = RunConfig(model="tiny-random", raw=True, prompt=("abcabcabcabc",), max_new_tokens=8, gamma=4)
+    report = demo(cfg)
+    (row,) = report["by_drafter"]["ngram"]
+    assert row["identical"] and row["speedup"] > 0 and row["tokens_per_round"] >= 1
+    assert "median speedup" in capsys.readouterr().out
+
+
+def test_demo_adds_the_cached_eagle_head_for_the_default_model(tmp_path, monkeypatch):
+    from specdec_jax import demo as demo_module
+    from specdec_jax.drafters.heads import HEAD_MARKER
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert [c.drafter for c in demo_module.demo_configs(RunConfig())] == ["ngram"]
+    head = tmp_path / demo_module.EAGLE_HEAD[1]
+    head.mkdir(parents=True)
+    (head / HEAD_MARKER).write_text("{}")  # what marks a head folder
+    configs = demo_module.demo_configs(RunConfig())
+    assert [(c.drafter, c.draft_model) for c in configs] == [("ngram", None), ("eagle", str(head))]
+    assert [c.drafter for c in demo_module.demo_configs(RunConfig(model="tiny-random"))] == ["ngram"]
