@@ -46,7 +46,8 @@ from specdec_jax.engine.state import (
 )
 
 __all__ = [
-    "AUTO", "AUTO_GAMMAS", "ShapePolicy", "measure_costs", "policy_from_costs", "shape_policy", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams", "EngineSpec",
+    "AUTO", "AUTO_GAMMAS", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams",
+    "EngineSpec", "ShapePolicy", "measure_costs", "policy_from_costs", "shape_policy",
     "GenerationResult", "Prepared", "accept", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
     "target_law", "target_pass", "validate", "verify_step",

@@ -111,13 +111,14 @@ def prepare(
     """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
     model, target_params = resolve_target(target)
     auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
-    if auto and drafter is None:
-        raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
-    if auto and gamma not in (None, AUTO) and (policy is None or gamma != policy.max_gamma):
-        raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
     if auto:
+        if drafter is None:
+            raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
+        if gamma not in (None, AUTO):
+            raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
         gamma = max(AUTO_GAMMAS) if policy is None else policy.max_gamma
-    gamma = 0 if gamma is None else gamma
+    elif gamma is None:
+        gamma = 0
     prompts = [list(map(int, p)) for p in prompts]
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     stops = tuple(sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set())))

@@ -48,17 +48,18 @@ def median_time_fed_back(step, carry, repeats: int = 7) -> float:
 
 def time_target_pass(run, width: int, repeats: int = 7) -> float:
     """Seconds of one target pass of ``width`` tokens per row of ``run`` (an `engine.Prepared`): a
-    verify pass at that width, with the hidden states the drafter reads, its cache donated and
-    fed back, its logits reduced on device to the argmax (the loop never returns logits either)."""
+    verify pass at that width as the loop runs it (reading the cache, then writing its block),
+    with the hidden states the drafter reads, its cache donated and fed back, its logits reduced
+    on device to the argmax (the loop never returns logits either)."""
     spec = run.spec
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, carry):
         cache = carry[0]
         tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
-        logits, _, cache = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
-                                             spec.hidden_layers)
-        return cache, jnp.argmax(logits, axis=-1)
+        logits, _, block = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
+                                             spec.hidden_layers, defer_writes=True)
+        return cache.write_block(block), jnp.argmax(logits, axis=-1)
 
     batch = run.state.cache.lengths.shape[0]
     carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))

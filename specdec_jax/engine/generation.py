@@ -80,8 +80,9 @@ def generate(
     """
     start = time.perf_counter()
     run = prepare(
-        target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-        stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
+        target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
+        eos_id=eos_id, stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
+        mesh=mesh,
     )
     state = run.state
     if python_loop:

@@ -67,24 +67,23 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
         target=spec.target,
     )
-    policy = spec.policy
-    if policy is None:
+    policy, live = spec.policy, ~state.done
+    drafted = None if policy is None else shape.choose_draft(policy, state.acceptance, live, room)
+    if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
-        num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
-        return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
-    live = ~state.done
-    drafted = shape.choose_draft(policy, state.acceptance, live, room)
-    proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
+    else:
+        proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
     num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
-    verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted)
-    num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
+    if policy is not None:
+        verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted)
+        num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
     return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
 
 
 def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, ctx: DraftContext,
                     index: jax.Array):
-    """The drafter's proposal at gammas[index] (a `lax.switch` over the policy's gammas; a free
-    drafter always drafts G), padded to G drafts and to the structure of a G-draft proposal."""
+    """The drafter's proposal at policy.gammas[index] (a `lax.switch`), padded to G drafts and to
+    the structure of a G-draft proposal."""
     def at(gamma: int):
         def run(drafter_state):
             proposal, drafter_state = spec.drafter.propose(params.drafter, drafter_state, ctx, gamma)
@@ -92,8 +91,6 @@ def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, 
         return run
 
     full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], state.drafter_state)
-    if spec.policy.free_drafts:
-        return at(spec.gamma)(state.drafter_state)
     return jax.lax.switch(index, [at(g) for g in spec.policy.gammas], state.drafter_state)
 
 
