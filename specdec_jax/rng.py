@@ -61,3 +61,13 @@ def check_keys(keys: jax.Array, shape: tuple[int, ...], what: str = "keys") -> j
     if keys.shape != shape:
         raise ValueError(f"{what} must have shape {shape}, got {keys.shape}")
     return keys
+
+
+def with_sub_index(keys: jax.Array, index: jax.Array) -> jax.Array:
+    """``keys`` with ``index`` (same shape, >= 0) folded in where it is > 0: sub-draw 0 of a
+    (row, position, purpose) uses the key itself, so a tree's first child draws what a chain's
+    draft at that position would."""
+    flat, idx = keys.reshape(-1), jnp.asarray(index, jnp.int32).reshape(-1)
+    folded = jax.vmap(jax.random.fold_in)(flat, idx)
+    data = jnp.where((idx > 0)[:, None], jax.random.key_data(folded), jax.random.key_data(flat))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(flat)).reshape(keys.shape)

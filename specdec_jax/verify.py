@@ -36,6 +36,7 @@ class VerifyResult(NamedTuple):
     tokens: jax.Array  # i32[B,G+1] emitted run, 0 past n_emit
     n_emit: jax.Array  # i32[B] tokens emitted, 1 <= n_emit <= num_draft + 1
     n_accepted: jax.Array  # i32[B] drafts accepted, counted before EOS/budget truncation
+    path: jax.Array | None = None  # i32[B,N] trees only (`verify_tree`): node accepted at depth j+1, -1 past
 
 
 def verify_greedy(draft, target_argmax, num_draft, *, stop_ids: Sequence[int] = (), budget=None) -> VerifyResult:
@@ -53,7 +54,7 @@ def verify_greedy(draft, target_argmax, num_draft, *, stop_ids: Sequence[int] = 
     n_accepted = _leading_accepted(matches, num_draft)
     # Accepted drafts equal the argmax, and the correction/bonus is the argmax at
     # position n_accepted: the whole emitted run is a prefix of target_argmax.
-    return _truncate(target_argmax, n_accepted, stop_ids, budget)
+    return truncate_run(target_argmax, n_accepted, stop_ids, budget)
 
 
 def verify_stochastic(
@@ -103,7 +104,7 @@ def verify_stochastic(
     positions = jnp.arange(gamma + 1)
     padded_draft = jnp.pad(draft, ((0, 0), (0, 1)))
     tokens = jnp.where(positions[None, :] == n_accepted[:, None], last[:, None], padded_draft)
-    return _truncate(tokens.astype(jnp.int32), n_accepted, stop_ids, budget)
+    return truncate_run(tokens.astype(jnp.int32), n_accepted, stop_ids, budget)
 
 
 def _check_shapes(draft, target, num_draft):
@@ -126,7 +127,7 @@ def _leading_accepted(accepted, num_draft):
     return jnp.sum(jnp.cumprod(accepted & real, axis=1), axis=1).astype(jnp.int32)
 
 
-def _truncate(tokens, n_accepted, stop_ids, budget) -> VerifyResult:
+def truncate_run(tokens, n_accepted, stop_ids, budget, path=None) -> VerifyResult:
     """Cut the run tokens[:, :n_accepted+1] at the first stop token (kept) and at `budget`."""
     n_emit = n_accepted + 1
     positions = jnp.arange(tokens.shape[1])[None, :]
@@ -137,7 +138,7 @@ def _truncate(tokens, n_accepted, stop_ids, budget) -> VerifyResult:
     if budget is not None:
         n_emit = jnp.minimum(n_emit, jnp.maximum(jnp.asarray(budget, jnp.int32), 1))
     tokens = jnp.where(positions < n_emit[:, None], tokens, 0)
-    return VerifyResult(tokens.astype(jnp.int32), n_emit.astype(jnp.int32), n_accepted)
+    return VerifyResult(tokens.astype(jnp.int32), n_emit.astype(jnp.int32), n_accepted, path)
 
 
 def _draft_law_at(draft, draft_probs, index, like):
