@@ -38,6 +38,12 @@ class KVBlock:
         pad = lambda x: jnp.pad(x, ((0, 0), (0, steps - x.shape[1]), (0, 0), (0, 0)))  # noqa: E731
         return KVBlock(tuple(map(pad, self.k)), tuple(map(pad, self.v)))
 
+    def take(self, order: jax.Array) -> KVBlock:
+        """The block's tokens reordered: token ``s`` of the result is token ``order[b, s]``
+        (i32[B,S']); a token tree's accepted path, moved to the front before it is written."""
+        gather = lambda x: jnp.take_along_axis(x, order[:, :, None, None], axis=1)  # noqa: E731
+        return KVBlock(tuple(map(gather, self.k)), tuple(map(gather, self.v)))
+
 
 @struct.dataclass
 class KVCache:

@@ -160,9 +160,10 @@ class PenaltyCounts(NamedTuple):
         return cls(token_counts(tokens, num_tokens, vocab_size),
                    token_counts(tokens, num_tokens, vocab_size, start=prompt_lens))
 
-    def at_positions(self, drafts: jax.Array) -> PenaltyCounts:
+    def at_positions(self, drafts: jax.Array, ancestors: jax.Array | None = None) -> PenaltyCounts:
         """f32[B,S,V] counts of a verify pass over [t0, drafts i32[B,S-1]] (`position_counts`)."""
-        return PenaltyCounts(position_counts(self.context, drafts), position_counts(self.generated, drafts))
+        return PenaltyCounts(position_counts(self.context, drafts, ancestors),
+                             position_counts(self.generated, drafts, ancestors))
 
     def add(self, ids: jax.Array) -> PenaltyCounts:
         """One more occurrence of token ``ids[b]`` i32[B] in both counts (f32[B,V] counts)."""
@@ -277,23 +278,29 @@ def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int, start: j
     )
 
 
-def position_counts(history_counts: jax.Array, drafts: jax.Array) -> jax.Array:
+def position_counts(history_counts: jax.Array, drafts: jax.Array, ancestors: jax.Array | None = None) -> jax.Array:
     """Context counts for each position of a verify pass.
 
     Position 0 conditions on the committed history (including the newest
-    committed token t0); position s also sees the candidates drafts[:, :s].
+    committed token t0); position s also sees the candidates drafts[:, :s]
+    (a chain), or with ``ancestors`` the tree nodes on its path.
 
     Args:
       history_counts: f32[B,V], counts of the committed tokens.
       drafts: i32[B,S-1], candidate tokens (padding rows beyond a row's
         num_draft only affect positions whose output is never used).
+      ancestors: bool[B,S,S] or None; a token tree's ancestor-or-self mask over
+        the verify inputs [t0, drafts] (`specdec_jax.tree.structure`).
 
     Returns:
       f32[B,S,V] counts.
     """
     vocab = history_counts.shape[-1]
-    seen = jnp.cumsum(jax.nn.one_hot(drafts, vocab, dtype=jnp.float32), axis=1)  # f32[B,S-1,V]
-    seen = jnp.pad(seen, ((0, 0), (1, 0), (0, 0)))  # f32[B,S,V]
+    one_hot = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)  # f32[B,S-1,V]
+    if ancestors is None:
+        seen = jnp.pad(jnp.cumsum(one_hot, axis=1), ((0, 0), (1, 0), (0, 0)))  # f32[B,S,V]
+    else:
+        seen = jnp.einsum("bsn,bnv->bsv", ancestors[:, :, 1:].astype(jnp.float32), one_hot)
     return history_counts[:, None, :] + seen
 
 

@@ -15,6 +15,9 @@ check of a static tree).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pathlib
 from collections.abc import Sequence
 
 import jax
@@ -22,6 +25,48 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = -1  # parent of a child of t0
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """A tree drafter's shape: at most ``nodes`` nodes, at most ``depth`` deep, ``topk`` children
+    per expanded node (for a drafter that ranks candidates), or a static tree of ``choices``
+    (Medusa's format, `static_tree`), which fixes ``nodes`` and ``depth``."""
+
+    nodes: int
+    depth: int
+    topk: int = 1
+    choices: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self):
+        if self.choices is not None:
+            parents, depth, _ = static_tree(self.choices)
+            if (self.nodes, self.depth) != (len(parents), int(depth.max())):
+                raise ValueError(f"tree choices give {len(parents)} nodes of depth <= {int(depth.max())}, "
+                                 f"not nodes={self.nodes}, depth={self.depth}")
+        if self.nodes < 1 or self.depth < 1 or self.topk < 1:
+            raise ValueError(f"tree nodes, depth and topk must be >= 1, got {self.nodes}, {self.depth}, {self.topk}")
+        if self.depth > self.nodes:
+            raise ValueError(f"a tree of {self.nodes} nodes cannot be {self.depth} deep (depth <= nodes)")
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
+        """The static tree of ``choices`` (lists of top-k ranks per depth)."""
+        choices = tuple(sorted((tuple(int(r) for r in c) for c in choices), key=lambda c: (len(c), c)))
+        parents, depth, _ = static_tree(choices)
+        return cls(nodes=len(parents), depth=int(depth.max()), topk=1 + max(max(c) for c in choices),
+                   choices=choices)
+
+
+def load_choices(path: str | pathlib.Path) -> TreeShape:
+    """A static tree from a JSON file holding a list of choices, e.g. ``[[0], [1], [0, 0]]``."""
+    try:
+        choices = json.loads(pathlib.Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read tree choices from {path}: {err}") from None
+    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+        raise ValueError(f"{path} must hold a list of lists of ranks (Medusa's tree format)")
+    return TreeShape.from_choices(choices)
 
 
 def chain_parents(batch: int, nodes: int) -> jax.Array:

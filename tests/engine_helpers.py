@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,11 @@ import numpy as np
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.drafters.base import DrafterBase, Proposal
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig, forward
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.tree import TreeShape
 
 MAX_NEW = 40
 GAMMA = 4
@@ -64,6 +67,62 @@ def model_drafter() -> ModelDrafter:
 
 def oracle(alpha: float) -> ModelDrafter:
     return oracle_drafter(target().config, target().model.params(), alpha)
+
+
+DECOY_PARENTS = (-1, -1, 0, 1, 1, 4, 4)
+DECOY_NODES = {0: 0, 1: 2, 2: 5, 3: 7}  # nodes kept for 0..3 chain drafts (always a prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoyTree(DrafterBase):
+    """A tree drafter for tests: a chain drafter's drafts d1 d2 d3 hidden among decoys
+    x' = (x + 1) % V, never as the first child, in a 7-node tree of depth 3:
+
+        t0 -+- d1' -- d2'           nodes 0, 2
+            +- d1  -+- d2' (3)      nodes 1, 3
+                    +- d2  -+- d3   nodes 4, 5
+                            +- d3'  node 6
+
+    The chain's drafts are kept as point masses (its q does not describe the decoys), which
+    rule (a) of tree verification verifies exactly: the children do not depend on the
+    verifier's draws.
+    """
+
+    chain: Any
+    vocab_size: int
+    params: Any = dataclasses.field(compare=False, repr=False, default=None)
+    name: str = "decoy-tree"
+    tree: TreeShape = TreeShape(nodes=7, depth=3)
+
+    @property
+    def reads_hidden(self):
+        return self.chain.reads_hidden
+
+    def check(self, target, mesh):
+        self.chain.check(target, mesh)
+
+    def init(self, params, prefill):
+        return self.chain.init(params, prefill)
+
+    def propose(self, params, state, ctx, gamma):
+        chain, state = self.chain.propose(params, state, ctx, 3)
+        d = chain.drafts
+        decoy = (d + 1) % self.vocab_size
+        tokens = jnp.stack([decoy[:, 0], d[:, 0], decoy[:, 1], decoy[:, 1], d[:, 1], d[:, 2], decoy[:, 2]], axis=1)
+        parents = jnp.broadcast_to(jnp.asarray(DECOY_PARENTS, jnp.int32), tokens.shape)
+        nodes = jnp.asarray([DECOY_NODES[n] for n in range(4)], jnp.int32)[jnp.clip(chain.num_draft, 0, 3)]
+        return Proposal(tokens.astype(jnp.int32), nodes, None, parents), state
+
+    def commit(self, params, state, outcome):
+        return self.chain.commit(params, state, outcome)
+
+
+def decoy_tree(chain) -> DecoyTree:
+    return DecoyTree(chain, target().config.vocab_size, chain.params)
+
+
+def ngram_trie() -> NgramDrafter:
+    return NgramDrafter(tree=TreeShape(nodes=12, depth=4, topk=3))
 
 
 @functools.cache

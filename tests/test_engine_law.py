@@ -9,7 +9,7 @@ row ids, so independent draws) through one batched `generate` call and runs a
 chi-square goodness-of-fit test over the 216 cells, cells with expected count
 < 5 merged into one.
 
-Significance 1e-4 per test: a correct engine trips one of the 4 law tests with
+Significance 1e-4 per test: a correct engine trips one of the 9 law tests with
 probability below 4e-4 on a fresh seed (the seeds here are fixed, so the run is
 deterministic). The power check shows a wrong law is rejected by a wide margin.
 """
@@ -24,12 +24,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from engine_helpers import DecoyTree
 from specdec_jax.audit import chi_square, continuation_codes, noisy_copy, sequence_law
 from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import ShapePolicy, generate
 from specdec_jax.models import Llama, LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.tree import TreeShape
 
 V = 6
 NEW = 3
@@ -98,7 +100,9 @@ AUTO_POLICY = ShapePolicy((0, 1, 3), (1.0, 1.2, 1.5), (0.0, 0.1, 0.3), prior=0.9
 @functools.cache
 def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW):
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
-                "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads}
+                "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads,
+                "trie": lambda: NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)),
+                "decoy-model": lambda: DecoyTree(ModelDrafter(CONFIG, draft().params()), V, draft().params())}
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
     # for 65,536 rows, several seconds less per call.
@@ -111,12 +115,14 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
 
 
 # (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
+# (token trees: gamma None, the tree's node count)
 CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
-         ("medusa", 3, 16, 4), ("model", "auto", 17, 4)]
+         ("medusa", 3, 16, 4), ("model", "auto", 17, 4), ("trie", None, 18, 4), ("decoy-model", None, 19, 4)]
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
-                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto"])
+                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto",
+                              "trie", "decoy-tree-of-model"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
@@ -127,7 +133,10 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     if gamma == "auto":  # the shape changed between rounds: some verified one draft, some three
         assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
         gamma = AUTO_POLICY.max_gamma
-    assert metrics.position_proposed[gamma - 1] > N / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
+    if gamma is None:  # a tree: rounds verified 3 nodes or more, and accepted paths of depth 2
+        assert metrics.position_proposed[2] > N / 10 and metrics.position_accepted[1] > 0, metrics
+    else:
+        assert metrics.position_proposed[gamma - 1] > N / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
     if drafter == "reduced":  # tokens the draft cannot propose came (from the residual) at the target's rate
         digits = np.stack([codes // V**2, codes // V % V, codes % V])
         assert np.isin(digits, [1, 4]).any(axis=0).mean() > 0.01

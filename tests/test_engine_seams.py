@@ -4,7 +4,8 @@ runs through the engine with no edit of it.
 `FeatureRecorder` declares `reads_hidden = (0, FINAL_NORM)`, proposes with the
 n-gram lookup (so drafts are both accepted and rejected), and records every
 feature the engine hands it: the prompt's in `init`, each round's in its
-`commit` hook. Its `propose` checks on device that `DraftContext.features` and
+`commit` hook; with a `TreeShape` it proposes the n-gram trie, and the engine must
+hand it the accepted path's features as a chain's. Its `propose` checks on device that `DraftContext.features` and
 `last_emit` are what the previous round committed. After the loop, the
 recorded features of every committed token (all but the final t0) must equal
 the hidden states of one fresh target pass over the whole sequence, which
@@ -20,12 +21,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import engine_helpers as H
 from specdec_jax import engine
 from specdec_jax.drafters import NgramDrafter
 from specdec_jax.drafters.base import DrafterBase
 from specdec_jax.target import FINAL_NORM
+from specdec_jax.tree import TreeShape
 
 LAYERS = (0, FINAL_NORM)
 
@@ -37,6 +40,7 @@ class FeatureRecorder(DrafterBase):
     name: str = "feature-recorder"
     params: None = None
     reads_hidden: tuple[int, ...] = LAYERS
+    tree: TreeShape | None = None
 
     def init(self, params, prefill):
         batch, width, layers, hidden = prefill.features.shape
@@ -51,7 +55,7 @@ class FeatureRecorder(DrafterBase):
         index, valid = _committed_index(ctx.num_tokens, ctx.last_emit, gamma + 1)
         recorded = jnp.take_along_axis(state["features"], index[:, :, None, None], axis=1)
         error = jnp.where(valid[:, :, None, None], jnp.abs(recorded - ctx.features), 0.0).max()
-        proposal, _ = NgramDrafter().propose(None, None, ctx, gamma)
+        proposal, _ = NgramDrafter(tree=self.tree).propose(None, None, ctx, gamma)
         return proposal, dict(state, ctx_error=jnp.maximum(state["ctx_error"], error),
                               last_emit_error=state["last_emit_error"] + (ctx.last_emit != state["last_emit"]),
                               over_room=state["over_room"] + (ctx.room < 0))
@@ -70,15 +74,20 @@ def _committed_index(num_tokens, n_emit, width):
     return jnp.maximum(num_tokens[:, None] - 1 - n_emit[:, None] + column, 0), column < n_emit[:, None]
 
 
+SHAPES = {"chain": None, "trie": TreeShape(nodes=12, depth=4, topk=3)}
+
+
 @functools.cache
-def recorded_run():
-    run = engine.prepare(H.target(), H.RAGGED, FeatureRecorder(), gamma=H.GAMMA, max_new_tokens=H.MAX_NEW,
-                         eos_id=H.eos_id())
+def recorded_run(shape: str = "chain"):
+    tree = SHAPES[shape]
+    run = engine.prepare(H.target(), H.RAGGED, FeatureRecorder(tree=tree), gamma=H.GAMMA if tree is None else None,
+                         max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
     return jax.device_get(engine.run_loop(run.spec, run.params, run.state)), run.num_rows
 
 
-def test_feature_reading_drafter_is_lossless_and_its_commit_hook_sees_every_token():
-    state, rows = recorded_run()
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_feature_reading_drafter_is_lossless_and_its_commit_hook_sees_every_token(shape):
+    state, rows = recorded_run(shape)
     out = [state.tokens[b, len(p) : state.num_tokens[b]].tolist() for b, p in enumerate(H.RAGGED)]
     assert out == H.reference().tokens
     drafter = state.drafter_state
@@ -89,8 +98,9 @@ def test_feature_reading_drafter_is_lossless_and_its_commit_hook_sees_every_toke
     assert 0 < c.accepted.sum() < c.drafted.sum()  # multi-token commits and rejections both happened
 
 
-def test_features_handed_to_the_drafter_equal_a_fresh_target_pass():
-    state, rows = recorded_run()
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_features_handed_to_the_drafter_equal_a_fresh_target_pass(shape):
+    state, rows = recorded_run(shape)
     model, params = H.target().as_target()
     apply = jax.jit(model.apply, static_argnames=("hidden_layers", "compute_logits"))
     for b in range(rows):

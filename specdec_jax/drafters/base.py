@@ -9,6 +9,9 @@ the compiled program as inputs rather than as constants:
     params                                   the drafter's weights (a pytree, or None)
     reads_hidden: tuple[int, ...]            target hidden states it reads (`specdec_jax.target`
                                              layer indices, FINAL_NORM = -1); () reads none
+    tree: TreeShape | None                   a token-tree drafter's shape (`specdec_jax.tree`); its
+                                             proposals have `parents` and G = tree.nodes; None: chains
+    without_replacement: bool                sampled tree siblings were drawn without replacement
     check(target: TargetModel, mesh | None)  ValueError unless it can draft for this target
                                              (vocabulary, widths, mesh axes)
     init(params, prefill: PrefillContext) -> state
@@ -20,7 +23,12 @@ declares in `reads_hidden`, and hands them over twice: those of the prompt to
 `init`, and each round those of the tokens the last verify pass committed in
 `DraftContext.features`. `commit` runs after every verification (the drafter
 can update its own caches from what was accepted). `DrafterBase` supplies the
-defaults: no hidden states, no checks, `commit` leaves the state unchanged.
+defaults: no hidden states, chains, no checks, `commit` leaves the state unchanged.
+
+A tree drafter's `propose` gets gamma = tree.nodes and returns that many nodes
+(`Proposal.parents`); the engine verifies the tree and hands `commit` the
+accepted path as if it had been a chain: `RoundOutcome.features` and the
+target's cache hold [t0, path] in order.
 
 `propose` may be called with gamma 0 (a round in which the engine's shape
 policy, `engine.shape`, does not speculate): it returns no drafts but keeps its
@@ -39,12 +47,16 @@ import jax
 
 from specdec_jax.sampling import RowSampling
 from specdec_jax.target import TargetModel
+from specdec_jax.tree import TreeShape
 
 
 class Proposal(NamedTuple):
-    drafts: jax.Array  # i32[B,G] proposed tokens, padded past num_draft
-    num_draft: jax.Array  # i32[B] real drafts per row, 0..G
-    probs: jax.Array | None  # f32[B,G,V] law each draft was drawn from; None = point mass
+    """G drafts per row: a chain, or with ``parents`` a token tree of G nodes (`specdec_jax.tree`)."""
+
+    drafts: jax.Array  # i32[B,G] proposed tokens (tree: node tokens), padded past num_draft
+    num_draft: jax.Array  # i32[B] real drafts (tree: nodes) per row, 0..G
+    probs: jax.Array | None  # f32[B,G,V] law each draft (node's sibling group) was drawn from; None = point mass
+    parents: jax.Array | None = None  # i32[B,G] tree only: node c's parent, -1 = t0, else < c; None = a chain
 
 
 @flax.struct.dataclass
@@ -75,7 +87,7 @@ class DraftContext:
     last_emit: jax.Array  # i32[B] tokens the last round emitted (0 before the first round)
     last_accepted: jax.Array  # i32[B] drafts the last round accepted
     # f32[B,G+1,k,H] or None: the target hidden states (reads_hidden) of the last verify pass's
-    # inputs [t0, d1, ...]; entry j < last_emit[b] is the committed token at index
+    # inputs [t0, d1, ...] (a tree's: [t0, accepted path]); entry j < last_emit[b] is the committed token at index
     # num_tokens[b] - 1 - last_emit[b] + j (every committed token but t0 has its features then)
     features: jax.Array | None
     keys: jax.Array  # key[B,G] keys[b, i]: the key of position num_tokens[b] + i (fold in a rng.Purpose)
@@ -98,6 +110,8 @@ class Drafter(Protocol):
     name: str
     params: Any
     reads_hidden: tuple[int, ...]
+    tree: TreeShape | None
+    without_replacement: bool
 
     def check(self, target: TargetModel, mesh) -> None: ...
 
@@ -112,6 +126,8 @@ class DrafterBase:
     """Defaults of the optional parts of the protocol (mix into a frozen dataclass)."""
 
     reads_hidden: tuple[int, ...] = ()
+    tree: TreeShape | None = None
+    without_replacement: bool = False
 
     def check(self, target: TargetModel, mesh) -> None:
         """Nothing to check."""

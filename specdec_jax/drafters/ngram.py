@@ -6,15 +6,24 @@ exists). The most recent (or earliest) match of the largest n wins and
 proposes `h[j+n : j+n+gamma]`, clipped at L, so `num_draft = min(gamma, L-(j+n))`.
 Rows with no match propose 0 drafts. Fixed shape: a [B, Tbuf] compare per
 (n, offset), no host sync.
+
+With a `TreeShape` (`--tree-topk K --tree-depth D --tree-nodes N`) it proposes a
+trie: the K best continuation starts (longest suffix match first, then the
+preferred end), each continued for up to D tokens, merged where their prefixes
+agree (one node per distinct prefix), breadth first, the first N nodes kept.
+K = 1 is the chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
+from specdec_jax import tree as trees
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
+from specdec_jax.tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +33,14 @@ class NgramDrafter(DrafterBase):
     max_n, min_n: suffix lengths tried, longest first.
     prefer: "recent" (the match closest to the end) or "earliest".
     window: search only the last `window` committed tokens (None = all).
+    tree: propose a trie of several matches' continuations (module docstring); None: a chain.
     """
 
     max_n: int = 3
     min_n: int = 1
     prefer: str = "recent"
     window: int | None = None
+    tree: TreeShape | None = None
     name: str = dataclasses.field(default="ngram", init=False)
     params: None = dataclasses.field(default=None, init=False, compare=False)
 
@@ -45,6 +56,8 @@ class NgramDrafter(DrafterBase):
         return None
 
     def propose(self, params, state, ctx: DraftContext, gamma: int):
+        if self.tree is not None:
+            return self._propose_trie(ctx, gamma), state
         tokens, length = ctx.tokens, ctx.num_tokens
         batch, size = tokens.shape
         starts = jnp.arange(size)[None, :]  # i32[1,Tbuf]
@@ -69,3 +82,40 @@ class NgramDrafter(DrafterBase):
         drafts = jnp.take_along_axis(tokens, index, axis=1)
         num_draft = jnp.where(found, jnp.minimum(gamma, length - cont), 0).astype(jnp.int32)
         return Proposal(drafts.astype(jnp.int32), num_draft, None), state
+
+    def _propose_trie(self, ctx: DraftContext, nodes: int) -> Proposal:
+        """A trie of the K best matches' continuations, N = ``nodes`` nodes (point masses)."""
+        k, depth = self.tree.topk, self.tree.depth
+        tokens, length = ctx.tokens, ctx.num_tokens
+        batch, size = tokens.shape
+        starts = jnp.arange(size)[None, :]  # continuation start p: tokens[p - n : p] is the suffix
+        match_len = jnp.zeros((batch, size), jnp.int32)
+        running = jnp.ones((batch, size), bool)
+        for i in range(1, self.max_n + 1):
+            before = jnp.take_along_axis(tokens, jnp.maximum(starts - i, 0), axis=1)
+            suffix = jnp.take_along_axis(tokens, jnp.maximum(length - i, 0)[:, None], axis=1)
+            running &= (starts - i >= 0) & (length[:, None] - i >= 0) & (before == suffix)
+            match_len = jnp.where(running, i, match_len)
+        eligible = (starts < length[:, None]) & (match_len >= self.min_n)
+        if self.window is not None:
+            eligible &= starts - self.min_n >= length[:, None] - self.window
+        order = starts if self.prefer == "recent" else size - starts
+        score = jnp.where(eligible, match_len * (size + 1) + order, -1)
+        top, start = jax.lax.top_k(score, k)  # [B,K] the best starts, best first
+        offset = jnp.arange(depth)[None, None, :]
+        position = start[:, :, None] + offset  # [B,K,D]
+        present = (top[:, :, None] >= 0) & (position < length[:, None, None])
+        cont = jnp.take_along_axis(tokens, jnp.minimum(position, size - 1).reshape(batch, -1), axis=1)
+        cont = cont.reshape(batch, k, depth)
+        # same[b, m, m', d]: matches m and m' agree on their first d + 1 tokens
+        same = jnp.cumprod(cont[:, :, None, :] == cont[:, None, :, :], axis=3).astype(bool)
+        first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B,K,D] the first match sharing that prefix
+        keep = present & (first == jnp.arange(k)[None, :, None])
+        parent = jnp.concatenate([jnp.full((batch, k, 1), trees.ROOT, jnp.int32),
+                                  (offset[:, :, :-1] * k + first[:, :, :-1]).astype(jnp.int32)], axis=2)
+        flat = lambda x: x.transpose(0, 2, 1).reshape(batch, depth * k)  # noqa: E731  node d * K + m, breadth first
+        drafts, parents, count = trees.compact(flat(cont), flat(parent), flat(keep))
+        pad = max(0, nodes - depth * k)
+        drafts = jnp.pad(drafts, ((0, 0), (0, pad)))[:, :nodes]
+        parents = jnp.pad(parents, ((0, 0), (0, pad)), constant_values=trees.ROOT)[:, :nodes]
+        return Proposal(drafts, jnp.minimum(count, nodes).astype(jnp.int32), None, parents)

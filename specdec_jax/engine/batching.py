@@ -110,6 +110,7 @@ def prepare(
 ) -> Prepared:
     """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
     model, target_params = resolve_target(target)
+    gamma = _tree_gamma(drafter, gamma, policy)
     auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
     if auto:
         if drafter is None:
@@ -155,6 +156,21 @@ def prepare(
         params = sharding.shard_params(params, mesh)
         inputs = sharding.shard_state(inputs, mesh)
     return Prepared(spec, params, prefill(spec, params, *inputs), lens, num_rows)
+
+
+def _tree_gamma(drafter: Drafter | None, gamma, policy):
+    """A tree drafter's G is its node count (``gamma`` None or equal to it; 0 is plain decoding);
+    the shape policy does not choose tree sizes yet."""
+    shape = getattr(drafter, "tree", None)
+    if shape is None:
+        return gamma
+    if policy is not None or gamma == AUTO:
+        raise ValueError("gamma 'auto' does not choose token-tree sizes yet: run the tree at its fixed size "
+                         "(leave gamma unset), or use the drafter as a chain")
+    if gamma not in (None, 0, shape.nodes):
+        raise ValueError(f"the {drafter.name} drafter proposes a tree of {shape.nodes} nodes; gamma = {gamma} "
+                         f"must be left unset or equal {shape.nodes}")
+    return shape.nodes if gamma is None else gamma
 
 
 def validate(target: TargetModel, prompts, drafter, gamma, max_new_tokens, stop_ids, capacity, record_top_k,

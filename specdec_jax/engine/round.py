@@ -5,10 +5,14 @@
 
 `verify_step` is the composition of its named parts, each a pure function:
 
-    target_pass   the target over [t0, d1..dG] at slots and positions lengths + s (a chain)
+    target_pass   the target over [t0, d1..dG] at slots lengths + s, positions lengths + s (a chain)
+                  or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`)
     target_law    the processed law p at each verified position (penalties, temperature, filters)
     accept        the verification rule: accepted drafts, correction or bonus, stop/budget cut
-    commit        tokens, cache lengths (the rollback), record_top_k, the drafter's hook, metrics
+                  (`verify` for chains, `verify_tree` for trees)
+    commit        the pass's keys/values (a tree's accepted path moved to the front, so the cache
+                  holds a chain again), tokens, cache lengths (the rollback), record_top_k, the
+                  drafter's hook, metrics
     stop_reasons  which live rows just ended, and why
 
 With `EngineSpec.policy` set (`--gamma auto`), `draft_step` chooses the
@@ -31,14 +35,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import rng
+from specdec_jax import rng, tree
 from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
 from specdec_jax.engine import shape
 from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import KVBlock
 from specdec_jax.sampling import PenaltyCounts, process_logits
 from specdec_jax.target import chain_positions
 from specdec_jax.verify import VerifyResult, verify_greedy, verify_stochastic
+from specdec_jax.verify_tree import verify_tree_greedy, verify_tree_stochastic
 
 
 def position_keys(state: DecodeState, width: int) -> jax.Array:
@@ -56,8 +61,9 @@ def draft_room(spec: EngineSpec, state: DecodeState) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0)
 def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
-    """The drafter proposes up to gamma tokens per live row, capped by `draft_room`; with a shape
-    policy, as many as the round's chosen shapes allow (`engine.shape`)."""
+    """The drafter proposes up to gamma tokens per live row, capped by `draft_room` (a tree's
+    nodes are capped by depth, in `accept`); with a shape policy, as many as the round's chosen
+    shapes allow (`engine.shape`)."""
     if spec.gamma == 0:
         return state
     room = draft_room(spec, state)
@@ -73,7 +79,8 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
     else:
         proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
-    num_draft = jnp.clip(proposal.num_draft, 0, room).astype(jnp.int32)
+    cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
+    num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted)
         num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
@@ -106,24 +113,29 @@ def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
 
 
 def target_pass(spec: EngineSpec, target_params, state: DecodeState):
-    """``(logits f32[B,G+1,V], hidden f32[B,G+1,k,H] | None, cache, width index i32[])`` of the
-    inputs ``[t0, drafts]`` at slots and positions ``lengths + s``.
+    """``(logits f32[B,G+1,V], hidden f32[B,G+1,k,H] | None, block, width index i32[])`` of the
+    inputs ``[t0, drafts]`` at slots ``lengths + s`` and positions ``lengths + s`` (a chain) or
+    ``lengths + depth`` under the ancestor mask (a tree).
 
     It runs at the narrowest of ``spec.verify_widths`` that holds every row's drafts;
-    columns past that width are zeros and are never read. The chosen width's pass only reads
-    the cache; its keys/values are written after the ``lax.switch`` (a write inside a branch
-    would copy the cache every round).
+    columns past that width are zeros and are never read. The pass only reads the cache; its
+    keys/values come back as a `KVBlock` that `commit` writes after the ``lax.switch`` (a write
+    inside a branch would copy the cache every round, and a tree's block is reordered first).
     """
-    drafts = state.proposal.drafts
+    drafts, parents = state.proposal.drafts, state.proposal.parents
     t0 = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)
     inputs = jnp.concatenate([t0, drafts], axis=1)  # i32[B,G+1]
-    positions = chain_positions(state.cache.lengths, inputs.shape[1])
+    if parents is None:
+        positions, mask = chain_positions(state.cache.lengths, inputs.shape[1]), None
+    else:
+        depth, mask = tree.structure(parents)
+        positions = state.cache.lengths[:, None] + depth
 
     def at_width(width: int):
-        def run(cache: KVCache):
+        def run(cache):
             logits, hidden, block = spec.target.apply(
-                target_params, inputs[:, :width], cache, positions[:, :width], None, spec.hidden_layers,
-                defer_writes=True)
+                target_params, inputs[:, :width], cache, positions[:, :width],
+                None if mask is None else mask[:, :width, :width], spec.hidden_layers, defer_writes=True)
             pad = inputs.shape[1] - width
             logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
             if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
@@ -138,7 +150,7 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
     else:
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
         logits, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
-    return logits, hidden, state.cache.write_block(block), branch
+    return logits, hidden, block, branch
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
@@ -147,26 +159,50 @@ def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.A
     counts = None
     if state.sampling.use_penalties:
         history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
-        counts = history.at_positions(state.proposal.drafts)
+        parents = state.proposal.parents
+        counts = history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
     return process_logits(logits, state.sampling, counts)
 
 
 def accept(spec: EngineSpec, state: DecodeState, target_probs: jax.Array) -> VerifyResult:
     """The verification rule: greedy when no row samples, else speculative sampling (greedy rows
     of a mixed batch have one-hot laws, for which it reduces to the greedy rule)."""
-    drafts, num_draft, draft_probs = state.proposal
+    drafts, num_draft, draft_probs, parents = state.proposal
     budget = state.max_new - (state.num_tokens - state.prompt_lens)
+    if parents is not None:
+        return accept_tree(spec, state, target_probs, budget)
     if state.sampling.any_sampled:
         return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs, target_probs, num_draft,
                                  stop_ids=spec.stop_ids, budget=budget)
     return verify_greedy(drafts, jnp.argmax(target_probs, axis=-1), num_draft, stop_ids=spec.stop_ids, budget=budget)
 
 
-def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult, cache: KVCache,
+def accept_tree(spec: EngineSpec, state: DecodeState, target_probs: jax.Array, budget: jax.Array) -> VerifyResult:
+    """The tree rules (`verify_tree`) over the nodes a row proposed that lie within its room."""
+    drafts, num_draft, draft_probs, parents = state.proposal
+    depth = tree.structure(parents)[0][:, 1:]
+    valid = (jnp.arange(spec.gamma)[None, :] < num_draft[:, None]) & (depth <= draft_room(spec, state)[:, None])
+    if state.sampling.any_sampled:
+        return verify_tree_stochastic(position_keys(state, spec.gamma + 1), drafts, parents, valid, draft_probs,
+                                      target_probs, without_replacement=spec.drafter.without_replacement,
+                                      stop_ids=spec.stop_ids, budget=budget)
+    return verify_tree_greedy(drafts, parents, valid, jnp.argmax(target_probs, axis=-1), stop_ids=spec.stop_ids,
+                              budget=budget)
+
+
+def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult, block: KVBlock,
            logits: jax.Array, hidden: jax.Array | None, width_index: jax.Array) -> DecodeState:
-    """Appends each live row's emitted run and moves the committed lengths (the rollback of
-    rejected drafts: their slots lie past the new lengths); then the drafter's commit hook and
-    the round's metrics."""
+    """Writes the pass's keys/values (a tree's accepted path first, so that slots lengths + j hold
+    [t0, path] as a chain's would), appends each live row's emitted run and moves the committed
+    lengths (the rollback of rejected drafts: their slots lie past the new lengths); then the
+    drafter's commit hook and the round's metrics."""
+    if result.path is not None:  # verify input of the run's j-th token: t0, then the path's nodes
+        order = jnp.pad(jnp.where(result.path >= 0, result.path + 1, 0), ((0, 0), (1, 0)))  # i32[B,G+1]
+        block = block.take(order)
+        logits = jnp.take_along_axis(logits, order[:, :, None], axis=1)
+        if hidden is not None:
+            hidden = jnp.take_along_axis(hidden, order[:, :, None, None], axis=1)
+    cache = state.cache.write_block(block)
     live = ~state.done
     n_emit = jnp.where(live, result.n_emit, 0)
     n_accepted = jnp.where(live, result.n_accepted, 0)
@@ -215,9 +251,9 @@ def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> D
 @functools.partial(jax.jit, static_argnums=0)
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
-    logits, hidden, cache, width_index = target_pass(spec, params.target, state)
+    logits, hidden, block, width_index = target_pass(spec, params.target, state)
     result = accept(spec, state, target_law(spec, state, logits))
-    return stop_reasons(spec, state.done, commit(spec, params, state, result, cache, logits, hidden, width_index))
+    return stop_reasons(spec, state.done, commit(spec, params, state, result, block, logits, hidden, width_index))
 
 
 def decode_round(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
