@@ -17,9 +17,13 @@ from specdec_jax.engine.batching import AUTO
 from specdec_jax.engine.calibration import AUTO_GAMMAS
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
+from specdec_jax.tree import TreeShape, load_choices
 
 DRAFTERS = ("none", "ngram", "draft-model", "oracle", "eagle", "medusa")
 NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
+TREE_DRAFTERS = ("ngram", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
+TREE_FIELDS = ("tree_nodes", "tree_depth", "tree_topk")  # ints; with tree_choices, the tree's shape
+TREE_DEFAULTS = {"tree_depth": 4, "tree_topk": 2}  # tree_nodes defaults to depth * topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,10 @@ class RunConfig:
     ngram_max: int = 3
     ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
     mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
+    tree_nodes: int | None = None  # a token tree of this many nodes (specdec_jax.tree); None: a chain
+    tree_depth: int | None = None
+    tree_topk: int | None = None
+    tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
 
     def __post_init__(self):
         checks = (
@@ -78,16 +86,52 @@ class RunConfig:
                                  f"{self.batch_size}")
         if self.drafter == "none":  # plain decoding: record the gamma that really runs
             object.__setattr__(self, "gamma", 0)
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        for name in TREE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.is_tree or self.gamma == 0:
+            return
+        if self.drafter not in TREE_DRAFTERS:
+            raise ValueError(f"the {self.drafter} drafter drafts chains only; token trees (tree_*) come from "
+                             f"{', '.join(TREE_DRAFTERS)}")
+        if self.tree_choices is not None and self.drafter != "medusa":
+            raise ValueError("tree_choices (a static tree) is for --drafter medusa")
+        shape = self.tree_shape
+        if self.gamma not in (AUTO, shape.nodes):
+            raise ValueError(f"gamma {self.gamma} and a tree of {shape.nodes} nodes exclude each other: leave gamma "
+                             f"unset with a tree (its node count is the round's width)")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_choices is not None or any(getattr(self, name) is not None for name in TREE_FIELDS)
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The token tree the tree_* fields describe (None: chains)."""
+        if not self.is_tree:
+            return None
+        if self.tree_choices is not None:
+            return load_choices(self.tree_choices)
+        depth = self.tree_depth or TREE_DEFAULTS["tree_depth"]
+        topk = self.tree_topk or TREE_DEFAULTS["tree_topk"]
+        return TreeShape(nodes=self.tree_nodes or depth * topk, depth=depth, topk=topk)
 
     @property
     def effective_gamma(self) -> int | str:
-        """What `generate` gets: an int (0 = plain decoding) or "auto"."""
+        """What `generate` gets: an int (0 = plain decoding; a tree's node count) or "auto"."""
+        if self.gamma != 0 and self.is_tree:
+            return self.tree_shape.nodes
         return self.gamma
 
     @property
     def widest_gamma(self) -> int:
-        """The most drafts a round can verify (sizes the KV capacity)."""
-        return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
+        """The most drafts (tree nodes) a round can verify (sizes the KV capacity)."""
+        gamma = self.effective_gamma
+        return max(AUTO_GAMMAS) if gamma == AUTO else gamma
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -5,6 +5,7 @@ Shared by `specdec-jax generate`, the demo and the benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,11 +26,11 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     if cfg.effective_gamma == 0:
         return None
     if cfg.drafter == "ngram":
-        return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min)
+        return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min, tree=cfg.tree_shape)
     if cfg.drafter == "oracle":
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
     if cfg.drafter in ("eagle", "medusa"):
-        return load_head(cfg.draft_model, kind=cfg.drafter)
+        return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter), tree=cfg.tree_shape)
     draft = load_model(cfg.draft_model)
     if mesh is not None:
         shard_model(draft.model, mesh, "the draft model")
@@ -110,11 +111,19 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
     return {"config": cfg.to_dict(), "results": results, "metrics": summary}
 
 
+def shape_label(cfg: RunConfig) -> str:
+    """How the run drafts: ``gamma=4``, ``gamma=auto`` or ``tree=12 nodes, depth 4, top-3``."""
+    shape = cfg.tree_shape if cfg.gamma else None
+    if shape is None:
+        return f"gamma={cfg.gamma}"
+    return f"tree={shape.nodes} nodes, depth {shape.depth}" + ("" if shape.choices else f", top-{shape.topk}")
+
+
 def stats_line(report: dict) -> str:
-    m = report["metrics"]
+    m, cfg = report["metrics"], RunConfig(**report["config"])
     return (
-        f"[{report['config']['drafter'] if report['config']['gamma'] else 'plain'}"
-        f" gamma={report['config']['gamma']}] {m['emitted_tokens']} tokens in {m['wall_s']:.2f}s "
+        f"[{cfg.drafter if cfg.gamma else 'plain'} {shape_label(cfg)}] {m['emitted_tokens']} tokens in "
+        f"{m['wall_s']:.2f}s "
         f"({m['tokens_per_s']:.1f} tok/s), {m['mean_accepted_length']:.2f} tokens/round, "
         f"acceptance {format_rate(m['acceptance_rate'])}"
     )

@@ -58,6 +58,19 @@ class TreeShape:
                    choices=choices)
 
 
+def default_choices(nodes: int, depth: int, topk: int) -> tuple[tuple[int, ...], ...]:
+    """A static tree without measured acceptances: the ``nodes`` rank paths (ranks < ``topk``, at
+    most ``depth`` long) of smallest rank sum, shorter first; every prefix of a kept path is kept."""
+    import itertools
+
+    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(topk), repeat=d)]
+    paths.sort(key=lambda p: (sum(p), len(p), p))
+    if nodes > len(paths):
+        raise ValueError(f"a tree of depth {depth} with top-{topk} children has at most {len(paths)} nodes, "
+                         f"not {nodes}")
+    return tuple(paths[:nodes])
+
+
 def load_choices(path: str | pathlib.Path) -> TreeShape:
     """A static tree from a JSON file holding a list of choices, e.g. ``[[0], [1], [0, 0]]``."""
     try:

@@ -9,7 +9,7 @@ row ids, so independent draws) through one batched `generate` call and runs a
 chi-square goodness-of-fit test over the 216 cells, cells with expected count
 < 5 merged into one.
 
-Significance 1e-4 per test: a correct engine trips one of the 9 law tests with
+Significance 1e-4 per test: a correct engine trips one of the 10 law tests with
 probability below 4e-4 on a fresh seed (the seeds here are fixed, so the run is
 deterministic). The power check shows a wrong law is rejected by a wide margin.
 """
@@ -102,7 +102,8 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
                 "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads,
                 "trie": lambda: NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)),
-                "decoy-model": lambda: DecoyTree(ModelDrafter(CONFIG, draft().params()), V, draft().params())}
+                "decoy-model": lambda: DecoyTree(ModelDrafter(CONFIG, draft().params()), V, draft().params()),
+                "eagle-tree": lambda: dataclasses.replace(eagle_head(), tree=TreeShape(nodes=6, depth=3, topk=2))}
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
     # for 65,536 rows, several seconds less per call.
@@ -117,19 +118,22 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
 # (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
 # (token trees: gamma None, the tree's node count)
 CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
-         ("medusa", 3, 16, 4), ("model", "auto", 17, 4), ("trie", None, 18, 4), ("decoy-model", None, 19, 4)]
+         ("medusa", 3, 16, 4), ("model", "auto", 17, 4), ("trie", None, 18, 4), ("decoy-model", None, 19, 4),
+         ("eagle-tree", None, 20, 4)]
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
                          ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto",
-                              "trie", "decoy-tree-of-model"])
+                              "trie", "decoy-tree-of-model", "eagle-tree"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
     # The acceptance path was really exercised: drafts were both accepted and rejected,
     # and rounds verified all gamma drafts (the last one accepted too, now and then).
-    assert metrics.draft_tokens > N and 0.1 < metrics.acceptance_rate < 0.99, metrics
+    assert metrics.draft_tokens > N and metrics.accepted_tokens > N / 10, metrics
+    if gamma is not None:  # (a tree drafts many nodes per accepted one)
+        assert 0.1 < metrics.acceptance_rate < 0.99, metrics
     if gamma == "auto":  # the shape changed between rounds: some verified one draft, some three
         assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
         gamma = AUTO_POLICY.max_gamma

@@ -13,6 +13,12 @@ is no reduced vocabulary. Draft k is drawn from head k's processed law, which
 conditions only on f: a valid proposal law, so verification stays exact. No
 serial draft pass runs; gamma must not exceed K.
 
+With a `TreeShape` the heads propose Medusa's static tree: a node's choice
+(r_1, .., r_d) is the path of top-k ranks to it, and its token is head d's
+r_d-th most likely token (`--tree-choices FILE` in Medusa's format, or the
+`tree.default_choices` of `--tree-nodes/--tree-depth/--tree-topk`). The tokens
+are fixed by the feature, so they are verified as point masses.
+
 Weights: w [K,H,H], b [K,H], lm_head [K,H,Vo] + vocab_map [Vo] (reduced only).
 """
 
@@ -25,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
+from specdec_jax import tree as trees
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.chain import draw_chain
 from specdec_jax.target import FINAL_NORM, TargetModel
+from specdec_jax.tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +93,16 @@ class MedusaDrafter(DrafterBase):
     params: Any = dataclasses.field(compare=False, repr=False)
     name: str = "medusa"
     reads_hidden: tuple[int, ...] = (FINAL_NORM,)
+    tree: TreeShape | None = None
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
         if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"the Medusa heads were built for hidden size {cfg.hidden_size} and vocabulary "
                              f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+        if self.tree is not None and self.tree.depth > cfg.num_heads:
+            raise ValueError(f"a tree of depth {self.tree.depth} needs as many Medusa heads; these have "
+                             f"{cfg.num_heads}")
 
     def init(self, params, prefill: PrefillContext) -> jax.Array:
         """f32[B,H]: the final-norm feature of token n - 2 of the prompt (for the first round)."""
@@ -98,12 +110,14 @@ class MedusaDrafter(DrafterBase):
         return jnp.take_along_axis(prefill.features[:, :, 0], last[:, None, None], axis=1)[:, 0]
 
     def propose(self, params, last_feature: jax.Array, ctx: DraftContext, gamma: int):
-        if gamma > self.config.num_heads:
+        if self.tree is None and gamma > self.config.num_heads:
             raise ValueError(f"gamma {gamma} exceeds the {self.config.num_heads} Medusa heads")
         emitted = ctx.last_emit
         newest = jnp.take_along_axis(ctx.features[:, :, 0], jnp.maximum(emitted - 1, 0)[:, None, None], axis=1)[:, 0]
         feature = jnp.where((emitted >= 1)[:, None], newest, last_feature)  # f32[B,H] of token n - 2
         logits = medusa_logits(self.config, params, ctx.target, ctx.target_params, feature)  # f32[K,B,Vo]
+        if self.tree is not None:
+            return self._static_tree(params, logits, ctx), feature
 
         def next_head(carry, token, step):  # every head's logits are known: nothing is fed
             return jax.lax.dynamic_index_in_dim(logits, step + 1, keepdims=False), carry
@@ -111,3 +125,16 @@ class MedusaDrafter(DrafterBase):
         proposal, _ = draw_chain(ctx, gamma, logits[0], next_head, None, self.config.vocab_size,
                                  params.get("vocab_map"))
         return proposal._replace(num_draft=jnp.where(ctx.num_tokens >= 2, proposal.num_draft, 0)), feature
+
+    def _static_tree(self, params, logits: jax.Array, ctx: DraftContext) -> Proposal:
+        """The static tree's nodes: node (r_1 .. r_d) is head d's r_d-th most likely token."""
+        shape = self.tree
+        choices = shape.choices or trees.default_choices(shape.nodes, shape.depth, shape.topk)
+        parents, depth, rank = trees.static_tree(choices)
+        _, ids = jax.lax.top_k(logits[: int(depth.max())], int(rank.max()) + 1)  # i32[D,B,k]
+        tokens = ids[depth - 1, :, rank].T  # i32[B,N]
+        if "vocab_map" in params:
+            tokens = params["vocab_map"][tokens]
+        batch = tokens.shape[0]
+        count = jnp.where(ctx.num_tokens >= 2, len(parents), 0).astype(jnp.int32)
+        return Proposal(tokens.astype(jnp.int32), count, None, jnp.broadcast_to(jnp.asarray(parents), (batch, len(parents))))

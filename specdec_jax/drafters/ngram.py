@@ -107,8 +107,9 @@ class NgramDrafter(DrafterBase):
         present = (top[:, :, None] >= 0) & (position < length[:, None, None])
         cont = jnp.take_along_axis(tokens, jnp.minimum(position, size - 1).reshape(batch, -1), axis=1)
         cont = cont.reshape(batch, k, depth)
-        # same[b, m, m', d]: matches m and m' agree on their first d + 1 tokens
-        same = jnp.cumprod(cont[:, :, None, :] == cont[:, None, :, :], axis=3).astype(bool)
+        # same[b, m, m', d]: match m' has a first d + 1 tokens, and they are match m's
+        agree = (cont[:, :, None, :] == cont[:, None, :, :]) & present[:, None, :, :]
+        same = jnp.cumprod(agree, axis=3).astype(bool)
         first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B,K,D] the first match sharing that prefix
         keep = present & (first == jnp.arange(k)[None, :, None])
         parent = jnp.concatenate([jnp.full((batch, k, 1), trees.ROOT, jnp.int32),
