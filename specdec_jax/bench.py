@@ -15,6 +15,11 @@ in the same run on the same shapes:
          of w - 1 drafts, or of G for a free drafter)
     predicted speedup = tau * T1 / mean (T(w) + D(w)) over the rounds run
 
+A token tree (`--tree-nodes ...`) is benched like a chain of its N nodes: Tv is
+the pass of N + 1 tokens (timed with a chain's mask: the same shapes), Td the
+tree's whole proposal / N, and the report adds the accepted-depth histogram and
+the nodes verified per round.
+
 With `--gamma auto` (the default) the engine picks each round's shape
 (`engine.shape`); the report's width histogram (`width_rounds`, one count per
 verify width 1, 2, 3, 5) says which shapes it chose.
@@ -49,7 +54,7 @@ from specdec_jax.config import RunConfig
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
 from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, format_rate, one_device_only,
-                                prompt_records, sampling_params, stop_ids)
+                                prompt_records, sampling_params, shape_label, stop_ids)
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -125,7 +130,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
     stops = stop_ids(cfg, tok)
-    gamma = cfg.gamma
+    gamma = cfg.effective_gamma  # a tree's node count
     rows = []
     batches = [records[i : i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
     for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress,
@@ -244,6 +249,8 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
     pos_acc = np.sum([r["position_accepted"] for r in rows], axis=0)
     t1, tv, td = (statistics.median(r[k] for r in rows) for k in ("T1", "Tv", "Td"))
     tau = emitted / rounds if rounds else float("nan")
+    # rounds whose accepted run was exactly d long (pos_acc[i]: rounds that accepted more than i)
+    depths = -np.diff(np.concatenate([[rounds], pos_acc, [0]])).astype(int)
     predicted_rate = {g: sum(r["plain_emitted_tokens" if g == "plain" else "emitted_tokens"] for r in rows)
                       / sum(r["predicted_s"][g] for r in rows) for g in ("plain", "spec")}
     predicted = predicted_rate["spec"] / predicted_rate["plain"]
@@ -266,6 +273,8 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
         "e2e_speedup": (e2e_tokens["spec"] / e2e["spec"]) / (e2e_tokens["plain"] / e2e["plain"]),
         "tokens_per_round": tau,
         "acceptance_rate": accepted / drafted if drafted else float("nan"),
+        "drafts_per_round": drafted / rounds if rounds else float("nan"),
+        "accepted_depth_rounds": depths.tolist(),
         "per_position_acceptance": [a / p if p else float("nan") for a, p in zip(pos_acc, proposed)],
         "T1_ms": 1000 * t1, "Tv_ms": 1000 * tv, "Td_ms": 1000 * td, "Tv_over_T1": tv / t1,
         "verify_ms_per_round": verify_ms,
@@ -316,7 +325,7 @@ def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int
 def format_report(report: dict) -> str:
     """Markdown tables: per category and overall, plus the bandwidth line."""
     cfg = report["config"]
-    head = (f"Bench: {cfg['model']}, drafter {cfg['drafter']}, gamma {cfg['gamma']}, batch {cfg['batch_size']}, "
+    head = (f"Bench: {cfg['model']}, drafter {cfg['drafter']}, {shape_label(RunConfig(**cfg))}, batch {cfg['batch_size']}, "
             f"{cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, {report['repeats']} repeats "
             f"(medians), {report['device']}")
     lines = [head, "",
@@ -341,7 +350,10 @@ def format_report(report: dict) -> str:
     pos = ", ".join(map(format_rate, report["overall"]["per_position_acceptance"]))
     shapes = ", ".join(f"{w}: {n}" for w, n in zip(report["overall"]["verify_widths"],
                                                    report["overall"]["width_rounds"]))
+    depths = ", ".join(f"{d}: {n}" for d, n in enumerate(report["overall"]["accepted_depth_rounds"]))
     lines += ["", f"per-position acceptance (overall): [{pos}]",
+              f"accepted drafts per round (accepted: rounds): {depths}; "
+              f"{report['overall']['drafts_per_round']:.1f} drafts (tree nodes) verified per round",
               f"verify widths chosen (width: loop rounds, all batches): {shapes}",
               f"memory bandwidth {report['memory_bandwidth_gb_s']:.1f} GB/s; parameters "
               f"{report['param_bytes'] / 1e6:.0f} MB -> floor {report['bandwidth_floor_ms_per_step']:.1f} ms per "

@@ -43,9 +43,9 @@ FLAG_HELP = {
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
     "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
-    "tree_nodes": "draft a token tree of this many nodes (ngram, eagle, medusa); default depth x topk",
+    "tree_nodes": "draft a token tree of this many nodes (ngram, draft-model, eagle, medusa); default depth x topk",
     "tree_depth": "deepest tree node (default 4 with a tree)",
-    "tree_topk": "children per expanded node: n-gram matches, EAGLE top-k, Medusa ranks (default 2 with a tree)",
+    "tree_topk": "children per expanded node: n-gram matches, draft/EAGLE top-k, Medusa ranks (default 2 with a tree)",
     "tree_choices": "a static tree for medusa: JSON list of top-k rank paths, Medusa's format",
 }
 

@@ -21,7 +21,7 @@ from specdec_jax.tree import TreeShape, load_choices
 
 DRAFTERS = ("none", "ngram", "draft-model", "oracle", "eagle", "medusa")
 NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
-TREE_DRAFTERS = ("ngram", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
+TREE_DRAFTERS = ("ngram", "draft-model", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
 TREE_FIELDS = ("tree_nodes", "tree_depth", "tree_topk")  # ints; with tree_choices, the tree's shape
 TREE_DEFAULTS = {"tree_depth": 4, "tree_topk": 2}  # tree_nodes defaults to depth * topk
 

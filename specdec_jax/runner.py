@@ -34,7 +34,7 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     draft = load_model(cfg.draft_model)
     if mesh is not None:
         shard_model(draft.model, mesh, "the draft model")
-    return ModelDrafter(draft.config, draft.model.params())
+    return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
 
 
 def drop_compiled_programs() -> None:

@@ -358,3 +358,35 @@ def test_demo_adds_the_cached_eagle_head_for_the_default_model(tmp_path, monkeyp
     configs = demo_module.demo_configs(RunConfig())
     assert [(c.drafter, c.draft_model) for c in configs] == [("ngram", None), ("eagle", str(head))]
     assert [c.drafter for c in demo_module.demo_configs(RunConfig(model="tiny-random"))] == ["ngram"]
+
+
+# ---------------------------------------------------------------- token trees (--tree-*)
+
+TREE = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8", "--prompt", "abcabcabc"]
+
+
+def test_tree_flags_run_a_lossless_tree_and_report_its_shape(tmp_path, capsys):
+    tree_json, plain_json = tmp_path / "tree.json", tmp_path / "plain.json"
+    assert main([*TREE, "--tree-depth", "3", "--tree-topk", "2", "--json", str(tree_json)]) == 0
+    stats = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert stats[0].startswith("[ngram tree=6 nodes, depth 3, top-2]")
+    assert main([*TREE, "--drafter", "none", "--json", str(plain_json)]) == 0
+    tree, plain = json.loads(tree_json.read_text()), json.loads(plain_json.read_text())
+    assert tree["config"]["tree_depth"] == 3 and tree["config"]["tree_nodes"] is None
+    assert [r["tokens"] for r in tree["results"]] == [r["tokens"] for r in plain["results"]]
+    assert len(tree["metrics"]["per_position_acceptance"]) == 6  # one per node
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--drafter", "oracle", "--tree-topk", "2"], "the oracle drafter drafts chains only"),
+    (["--gamma", "4", "--tree-nodes", "8"], "gamma 4 and a tree of 8 nodes exclude each other"),
+    (["--tree-depth", "5", "--tree-nodes", "3"], "a tree of 3 nodes cannot be 5 deep"),
+    (["--tree-choices", "tree.json"], "tree_choices (a static tree) is for --drafter medusa"),
+    (["--tree-nodes", "0"], "tree_nodes must be an int >= 1, got 0"),
+    (["--drafter", "medusa", "--draft-model", "x", "--tree-choices", "/nonexistent/tree.json"],
+     "cannot read tree choices from /nonexistent/tree.json"),
+], ids=["chain-only-drafter", "gamma-and-tree", "depth-over-nodes", "choices-not-medusa", "zero-nodes", "no-choices-file"])
+def test_bad_tree_flags_are_one_line(capsys, flags, message):
+    assert main([*TREE, *flags]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("specdec-jax: error:") and message in line

@@ -10,6 +10,7 @@ engine is in test_engine_law.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,9 +20,12 @@ import pytest
 import engine_helpers as H
 from specdec_jax import engine
 from specdec_jax.engine import generate
+from specdec_jax.drafters import ModelDrafter
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.tree import TreeShape
 
-TREES = {"trie": H.ngram_trie, "decoy-oracle": lambda: H.decoy_tree(H.oracle(0.7))}
+TREES = {"trie": H.ngram_trie, "decoy-oracle": lambda: H.decoy_tree(H.oracle(0.7)),
+         "draft-model": lambda: dataclasses.replace(H.model_drafter(), tree=TreeShape(nodes=8, depth=4, topk=2))}
 
 
 @functools.cache
@@ -38,6 +42,18 @@ def test_greedy_tree_equals_plain_decoding(name):
     assert m.accepted_tokens > 0 and m.rounds < ref.metrics.rounds
     nodes = TREES[name]().tree.nodes
     assert m.position_proposed[nodes - 1] > 0  # full trees were verified
+
+
+def test_a_dynamic_tree_of_the_target_itself_accepts_its_whole_depth():
+    """The target as its own draft, every candidate kept (2 + 3 * 4 = 14 nodes): its top-1 path
+    is the greedy continuation, so nearly every round accepts all 4 levels and emits 5 tokens
+    (the budget and EOS cut the last rounds). With fewer nodes the tiny model's flat laws rank
+    deep nodes below shallow ones, as EAGLE-2's selection should."""
+    cfg, params = H.target().config, H.target().model.params()
+    drafter = ModelDrafter(cfg, params, tree=TreeShape(nodes=14, depth=4, topk=2))
+    out = generate(H.target(), H.RAGGED, drafter, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
+    assert out.tokens == H.reference().tokens
+    assert out.metrics.mean_accepted_length > 4.5
 
 
 def test_trie_beats_the_chain_where_matches_branch():

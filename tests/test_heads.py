@@ -6,6 +6,7 @@ The runs share the question file and shapes of tests/test_distill.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -23,6 +24,7 @@ from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.drafters.heads import save_head
 from specdec_jax.models import load_model
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.tree import TreeShape
 from test_distill import STEPS, log_of, tiny_config
 
 KINDS = {"eagle": dict(kind="eagle", feature_layers=(1, -1), ce_weight=1.0), "medusa": dict(kind="medusa", medusa_heads=3)}
@@ -80,6 +82,23 @@ def test_trained_head_loads_by_path_and_drafts_losslessly(kind, root, capsys):
     code = main(["generate", "--model", "tiny-random", "--raw", "--drafter", kind, "--draft-model",
                  summary["draft"], "--gamma", "2", "--max-new-tokens", "6", "--prompt", "abcabc"])
     assert code == 0 and "tokens/round" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_trained_head_drafts_a_lossless_tree_by_path_and_flags(kind, root, capsys, tmp_path):
+    """EAGLE's dynamic tree and Medusa's static tree (a choices file through the CLI)."""
+    folder, summary = trained(kind, root)
+    drafter = dataclasses.replace(load_head(summary["draft"], kind=kind), tree=TreeShape(nodes=6, depth=3, topk=2))
+    out = engine.generate(H.target(), H.RAGGED, drafter, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
+    assert out.tokens == H.reference().tokens and out.metrics.draft_tokens > 0
+    choices = tmp_path / "tree.json"
+    choices.write_text(json.dumps([[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
+    flags = (["--tree-choices", str(choices)] if kind == "medusa"
+             else ["--tree-nodes", "6", "--tree-depth", "3", "--tree-topk", "2"])
+    code = main(["generate", "--model", "tiny-random", "--raw", "--drafter", kind, "--draft-model", summary["draft"],
+                 *flags, "--max-new-tokens", "6", "--prompt", "abcabc"])
+    shape = "tree=5 nodes, depth 3]" if kind == "medusa" else "tree=6 nodes, depth 3, top-2]"
+    assert code == 0 and shape in capsys.readouterr().out
 
 
 def test_mismatched_heads_are_clear_errors(root, tmp_path):

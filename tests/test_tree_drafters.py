@@ -4,11 +4,12 @@
   matches' continuations, on random buffers;
 - Medusa static tree: node (r_1 .. r_d) is head d's r_d-th most likely token, from the heads'
   logits computed here;
-- EAGLE dynamic tree: with top-1 it is the chain's greedy drafts, round after round; with top-2
+- EAGLE's and the draft model's dynamic trees: with top-1 each is the chain's greedy drafts, round after round; with top-2
   and every candidate kept, each expanded node holds exactly the 2 most likely children of its
   path, and the expanded nodes are those of best cumulative log-probability, under a reference
-  that re-runs the head from scratch (a fresh target pass for the features, then the path fed
-  token by token with cache writes), also after tree rounds have been committed.
+  that runs from scratch (the draft model: one fresh pass over the sequence and the path; the
+  EAGLE head: a fresh target pass for the features, then the path fed token by token with cache
+  writes), also after tree rounds have been committed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 
 import engine_helpers as H
 from specdec_jax import engine
-from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, NgramDrafter
+from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
 from specdec_jax.drafters.eagle import head_logits, head_pass, init_eagle, project
 from specdec_jax.drafters.medusa import medusa_logits
 from specdec_jax.target import FINAL_NORM
@@ -95,8 +96,16 @@ def random_eagle():
     return EagleDrafter(head, init_eagle(head, jax.random.key(7)))
 
 
-def test_eagle_top1_tree_is_the_greedy_chain_round_after_round():
-    chain = random_eagle()
+def draft_model():
+    return H.model_drafter()
+
+
+DYNAMIC = {"eagle": random_eagle, "draft-model": draft_model}
+
+
+@pytest.mark.parametrize("kind", list(DYNAMIC))
+def test_top1_dynamic_tree_is_the_greedy_chain_round_after_round(kind):
+    chain = DYNAMIC[kind]()
     tree = dataclasses.replace(chain, tree=TreeShape(nodes=4, depth=4, topk=1))
     run = H.prepare(H.RAGGED, tree, gamma=None, max_new_tokens=H.MAX_NEW)
     chain_spec = dataclasses.replace(run.spec, drafter=chain)
@@ -114,7 +123,13 @@ _target_apply = jax.jit(lambda p, t, pos, layers: H.target().as_target()[0].appl
 
 
 def reference_laws(drafter, target_params, sequence, paths):
-    """Log-laws of the head after ``sequence`` (committed tokens, t0 last) followed by each path."""
+    """Log-laws of the drafter after ``sequence`` (committed tokens, t0 last) followed by each path:
+    a draft model's from one fresh pass each; an EAGLE head's from a fresh target pass for the
+    features, then the path fed token by token."""
+    if isinstance(drafter, ModelDrafter):
+        return {path: np.asarray(jax.nn.log_softmax(H.teacher_logits(drafter.config, drafter.params,
+                                                                     sequence + list(path))[-1]))
+                for path in paths}
     cfg, (model, _) = drafter.config, H.target().as_target()
     n = len(sequence)
     tokens = jnp.asarray([sequence], jnp.int32)
@@ -133,11 +148,12 @@ def reference_laws(drafter, target_params, sequence, paths):
     return laws
 
 
-def test_eagle_dynamic_tree_expands_the_best_nodes_with_their_top_k_children():
+@pytest.mark.parametrize("kind", list(DYNAMIC))
+def test_dynamic_tree_expands_the_best_nodes_with_their_top_k_children(kind):
     """Top-2, depth 3 and all 2 + 2 * 4 candidates kept: every expanded node holds exactly the 2
     most likely children of its path, and the expanded depth-2 nodes are the 2 of best cumulative
     log-probability, under the reference."""
-    drafter = dataclasses.replace(random_eagle(), tree=TreeShape(nodes=10, depth=3, topk=2))
+    drafter = dataclasses.replace(DYNAMIC[kind](), tree=TreeShape(nodes=10, depth=3, topk=2))
     run = H.prepare(H.RAGGED, drafter, gamma=None, max_new_tokens=H.MAX_NEW)
     for round_index in range(3):
         drafted = run.round()

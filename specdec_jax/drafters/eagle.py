@@ -30,13 +30,9 @@ feature kept by `init`. A row whose sequence is a single token has no feature
 yet and proposes nothing.
 
 With a `TreeShape` (depth D, top-k K, N nodes) step 2 grows EAGLE-2's dynamic
-tree instead: the K most likely tokens of draft 1 are depth 1; at each next
-depth the K best candidates so far at the previous depth (by cumulative
-log-probability) are fed, under the tree's ancestor mask and without writing
-the head's cache, and each proposes its K most likely children; the N best
-candidates overall (a parent always outranks its children) form the tree,
-parents first. The tokens are fixed by the context, so they are verified as
-point masses. The next round's block re-encodes the accepted path from the
+tree instead (`drafters.dynamic_tree`): the frontier nodes are fed, with their
+parents' output features, under the tree's ancestor mask and without writing
+the head's cache. The next round's block re-encodes the accepted path from the
 target's features, as for a chain.
 
 Weights (H the target's hidden size, k = len(feature_layers), layer weights of
@@ -57,9 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import tree as trees
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
 from specdec_jax.sharding import check_model_axis
@@ -177,15 +173,7 @@ class EagleDrafter(DrafterBase):
     tree: TreeShape | None = None
 
     def __post_init__(self):
-        shape = self.tree
-        if shape is not None:
-            if shape.choices is not None:
-                raise ValueError("the EAGLE head grows a dynamic tree (--tree-nodes/--tree-depth/--tree-topk); "
-                                 "static tree choices are for Medusa heads")
-            most = shape.topk + (shape.depth - 1) * shape.topk ** 2
-            if shape.nodes > most:
-                raise ValueError(f"an EAGLE tree of depth {shape.depth} and top-{shape.topk} has at most {most} "
-                                 f"candidates, fewer than {shape.nodes} nodes")
+        check_dynamic_shape(self.tree)
 
     @property
     def reads_hidden(self) -> tuple[int, ...]:
@@ -247,55 +235,16 @@ class EagleDrafter(DrafterBase):
         return proposal, EagleState(cache=cache, last_feature=last_feature)
 
     def _dynamic_tree(self, params, cache: KVCache, h_last: jax.Array, ctx: DraftContext, nodes: int) -> Proposal:
-        """EAGLE-2's dynamic tree of ``nodes`` nodes (module docstring), as point masses."""
-        cfg, shape = self.config, self.tree
-        k, target, target_params = shape.topk, ctx.target, ctx.target_params
-        n = ctx.num_tokens
-        batch = n.shape[0]
-        vocab_map = params.get("vocab_map")
+        """EAGLE-2's dynamic tree of ``nodes`` nodes (`drafters.dynamic_tree`): each fed node's input
+        is its parent's output feature; the head's cache is read, not written."""
+        cfg, target, target_params, n = self.config, ctx.target, ctx.target_params, ctx.num_tokens
 
-        def best_children(h):  # h f32[B,M,H] -> (log-probs f32[B,M,K], target ids i32[B,M,K])
-            logp = jax.nn.log_softmax(head_logits(cfg, params, target, target_params, h), axis=-1)
-            logp, ids = jax.lax.top_k(jnp.maximum(logp, -1e4), k)  # finite: a child always ranks below its parent
-            return logp, (ids if vocab_map is None else vocab_map[ids])
+        def expand(tokens, mask, depth, inputs):
+            h, _ = head_pass(cfg, params, target, target_params, tokens, inputs, cache.with_lengths(n - 1),
+                             n[:, None] - 2 + depth, mask, defer_writes=True)
+            newest = h[:, -self.tree.topk:]
+            return head_logits(cfg, params, target, target_params, newest), newest
 
-        logp, ids = best_children(h_last[:, None])
-        tokens, scores, parents = [ids[:, 0]], [logp[:, 0]], [jnp.full((batch, k), trees.ROOT, jnp.int32)]
-        depths = [jnp.ones((batch, k), jnp.int32)]
-        frontier, frontier_score = jnp.broadcast_to(jnp.arange(k), (batch, k)), logp[:, 0]  # candidate ids
-        fed_tokens, fed_inputs = ids[:, 0], jnp.broadcast_to(h_last[:, None], (batch, k, h_last.shape[-1]))
-        fed_positions = jnp.broadcast_to((n - 1)[:, None], (batch, k))
-        fed_parents = jnp.full((batch, k), trees.ROOT, jnp.int32)  # index in the fed block
-        first = k  # candidate id of the next depth's first candidate
-        for depth in range(2, shape.depth + 1):
-            mask = trees.structure(fed_parents)[1][:, 1:, 1:]
-            h, _ = head_pass(cfg, params, target, target_params, fed_tokens, fed_inputs, cache.with_lengths(n - 1),
-                             fed_positions, mask, defer_writes=True)
-            h_frontier = h[:, -k:]  # the outputs of the last depth's frontier
-            logp, ids = best_children(h_frontier)  # [B,K,K]
-            score = (frontier_score[:, :, None] + logp).reshape(batch, k * k)
-            tokens.append(ids.reshape(batch, k * k))
-            scores.append(score)
-            parents.append(jnp.repeat(frontier, k, axis=1))
-            depths.append(jnp.full((batch, k * k), depth, jnp.int32))
-            if depth < shape.depth:  # expand the K best of this depth next
-                frontier_score, best = jax.lax.top_k(score, k)
-                frontier = first + best
-                fed_parents = jnp.concatenate([fed_parents, fed_tokens.shape[1] - k + best // k], axis=1)
-                fed_tokens = jnp.concatenate([fed_tokens, jnp.take_along_axis(tokens[-1], best, axis=1)], axis=1)
-                fed_inputs = jnp.concatenate(
-                    [fed_inputs, jnp.take_along_axis(h_frontier, (best // k)[:, :, None], axis=1)], axis=1)
-                fed_positions = jnp.concatenate([fed_positions, jnp.broadcast_to((n - 2 + depth)[:, None], (batch, k))],
-                                                axis=1)
-            first += k * k
-        tokens, scores = jnp.concatenate(tokens, axis=1), jnp.concatenate(scores, axis=1)
-        parents, depths = jnp.concatenate(parents, axis=1), jnp.concatenate(depths, axis=1)
-        _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)  # the best N; a parent outranks its children
-        chosen = jnp.sort(chosen, axis=1)  # candidate order: parents before children
-        rows = jnp.arange(batch)[:, None]
-        renumber = jnp.full(tokens.shape, trees.ROOT, jnp.int32).at[rows, chosen].set(jnp.arange(nodes, dtype=jnp.int32))
-        old_parents = jnp.take_along_axis(parents, chosen, axis=1)
-        new_parents = jnp.where(old_parents >= 0, jnp.take_along_axis(renumber, jnp.maximum(old_parents, 0), axis=1),
-                                trees.ROOT)
-        count = jnp.where(n >= 2, nodes, 0).astype(jnp.int32)
-        return Proposal(jnp.take_along_axis(tokens, chosen, axis=1).astype(jnp.int32), count, None, new_parents)
+        first = head_logits(cfg, params, target, target_params, h_last)
+        proposal = grow_dynamic_tree(self.tree, nodes, first, h_last, expand, params.get("vocab_map"))
+        return proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))

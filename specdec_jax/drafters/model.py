@@ -16,6 +16,12 @@ The oracle drafter is this drafter run with the *target's* weights, greedy,
 each proposal replaced by a wrong token with probability 1 - alpha: greedy
 acceptance is then i.i.d. Bernoulli(alpha) per position and tokens per round
 follow the closed form `(1 - alpha^(gamma+1)) / (1 - alpha)`.
+
+With a `TreeShape` the draft grows EAGLE-2's dynamic tree from its own logits
+(`drafters.dynamic_tree`): the tree's nodes are scored under the ancestor mask
+without writing the draft's cache, so each round first re-encodes the tokens
+the last round committed (a block of depth + 1 slots ending at t0) in place of
+the 2-token window.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.chain import draw_chain
-from specdec_jax.models.llama import LlamaConfig, forward
+from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
+from specdec_jax.kv_cache import KVCache
+from specdec_jax.models.llama import LlamaConfig, apply, forward
 from specdec_jax.sharding import check_model_axis
+from specdec_jax.tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +54,12 @@ class ModelDrafter(DrafterBase):
     params: Any = dataclasses.field(compare=False, repr=False)
     corrupt_alpha: float | None = None
     name: str = "draft-model"
+    tree: TreeShape | None = None
+
+    def __post_init__(self):
+        check_dynamic_shape(self.tree)
+        if self.tree is not None and self.corrupt_alpha is not None:
+            raise ValueError("the oracle drafts chains only")
 
     def check(self, target, mesh) -> None:
         if self.config.vocab_size != target.vocab_size:
@@ -59,6 +74,8 @@ class ModelDrafter(DrafterBase):
         return cache
 
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
+        if self.tree is not None:
+            return self._dynamic_tree(params, cache, ctx, gamma)
         n = ctx.num_tokens - 1  # slot of t0
         start = jnp.maximum(n - 1, 0)
         window = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
@@ -71,6 +88,24 @@ class ModelDrafter(DrafterBase):
 
         return draw_chain(ctx, gamma, logits, feed, cache, self.config.vocab_size, params.get("vocab_map"),
                           self.corrupt_alpha)
+
+
+    def _dynamic_tree(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVCache]:
+        """Re-encode what the last round committed, then grow the tree (module docstring)."""
+        n = ctx.num_tokens  # t0 at index and slot n - 1
+        fed = jnp.maximum(ctx.last_emit, 1)  # slots n - fed .. n - 1 (the first round: t0 alone)
+        start = n - fed
+        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + jnp.arange(self.tree.depth + 1)[None, :],
+                                                             ctx.tokens.shape[1] - 1), axis=1)
+        logits, cache = forward(self.config, params, window, cache.with_lengths(start))
+        first = jnp.take_along_axis(logits, (fed - 1)[:, None, None], axis=1)[:, 0]  # f32[B,Vo] after t0
+
+        def expand(tokens, mask, depth, inputs):
+            logits, _, _ = apply(self.config, params, tokens, cache.with_lengths(n), n[:, None] - 1 + depth, mask,
+                                 defer_writes=True)
+            return logits[:, -self.tree.topk:], None
+
+        return grow_dynamic_tree(self.tree, nodes, first, None, expand, params.get("vocab_map")), cache
 
 
 def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:

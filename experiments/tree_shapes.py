@@ -1,0 +1,165 @@
+"""Issue 18: token trees against chains, per Spec-Bench category, and the verify cost curve Tv(N)/T1.
+
+For each shape, `specdec-jax bench` runs the drafter beside plain decoding (side by side in one
+run, medians) on the held-out Spec-Bench questions of the heads' split
+(`experiments/eagle_recipe.py`), the first `--per-category` of each of `--categories`, batch 1,
+greedy. A shape is `g4` (a chain of gamma 4) or `t16x4x4` (a tree of 16 nodes, depth 4,
+top-4: n-gram matches, EAGLE's expansion, Medusa's ranks). Also measured, on this device:
+the target pass at each of `--widths` tokens over T1 (the cost of verifying N nodes), and,
+from it, the speedup the cost model predicts on a device where Tv(N) is about T1 (a
+prediction, not a measurement): tokens per round / (1 + drafting / T1).
+
+Writes `experiments/results/tree_shapes/summary.json`, `table.md` and `tree_shapes.png`.
+
+    python experiments/tree_shapes.py --drafter ngram --shapes g4 t8x4x2 t12x4x3 t16x4x4 \\
+        --categories summarization rag math_reasoning translation --per-category 3
+    python experiments/tree_shapes.py --drafter eagle --draft-model ~/.cache/specdec_jax/heads/smollm2-eagle/head \\
+        --shapes g4 t16x4x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from eagle_recipe import heldout_prompts_file  # noqa: E402
+
+from specdec_jax import engine  # noqa: E402
+from specdec_jax.bench import bench  # noqa: E402
+from specdec_jax.config import RunConfig  # noqa: E402
+from specdec_jax.engine.calibration import time_target_pass  # noqa: E402
+from specdec_jax.models import load_model  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "tree_shapes"
+
+
+def shape_fields(shape: str) -> dict:
+    """RunConfig fields of ``g4`` (a chain) or ``t16x4x4`` (nodes x depth x top-k)."""
+    if shape.startswith("g"):
+        return {"gamma": int(shape[1:])}
+    if shape.startswith("t"):
+        nodes, depth, topk = (int(x) for x in shape[1:].split("x"))
+        return {"tree_nodes": nodes, "tree_depth": depth, "tree_topk": topk}
+    raise argparse.ArgumentTypeError(f"a shape is g<gamma> or t<nodes>x<depth>x<topk>, got {shape!r}")
+
+
+def verify_cost_curve(model: str, widths: list[int], context: int = 200) -> dict[int, float]:
+    """Seconds of one target pass of each width over a ``context``-token prompt (batch 1)."""
+    run = engine.prepare(load_model(model), [[1] * context], max_new_tokens=max(widths) + 1)
+    return {w: time_target_pass(run, w) for w in widths}
+
+
+def category_prompts(folder: pathlib.Path, categories: list[str] | None) -> pathlib.Path:
+    path = heldout_prompts_file(folder)
+    if categories:
+        rows = [r for r in map(json.loads, path.read_text().splitlines()) if r["category"] in categories]
+        path.write_text("\n".join(map(json.dumps, rows)))
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", default="ngram", choices=["ngram", "eagle", "medusa"])
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--shapes", nargs="+", default=["g4", "t8x4x2", "t12x4x3", "t16x4x4"])
+    parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all)")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 3, 5, 9, 13, 17, 33])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    for shape in args.shapes:
+        shape_fields(shape)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    curve = verify_cost_curve(RunConfig().model, args.widths)
+    summary["verify_cost"] = {str(w): t / curve[1] for w, t in curve.items()}
+    summary["T1_ms"] = 1000 * curve[1]
+    with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
+        prompts = category_prompts(pathlib.Path(folder), args.categories)
+        for shape in args.shapes:
+            cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, max_new_tokens=args.max_new_tokens,
+                            prompts_file=str(prompts), **shape_fields(shape))
+            report = bench(cfg, repeats=args.repeats, per_category=args.per_category)
+            name = f"{args.drafter}_{shape}"
+            (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
+            overall = report["overall"]
+            draft_over_t1 = overall["Td_ms"] * overall["drafts_per_round"] / overall["T1_ms"]
+            summary[name] = {
+                "drafter": args.drafter, "shape": shape,
+                "overall": {k: overall[k] for k in ("speedup", "tokens_per_round", "tie_aware_equal", "prompts",
+                                                    "drafts_per_round", "accepted_depth_rounds", "Tv_over_T1")},
+                "predicted_accelerator_speedup": overall["tokens_per_round"] / (1 + draft_over_t1),
+                "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}
+                               for c, a in report["categories"].items()}}
+            summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    (args.out / "table.md").write_text(table(summary))
+    plot(summary, args.out / "tree_shapes.png")
+    print(table(summary))
+    return 0
+
+
+def runs_of(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if isinstance(v, dict) and "shape" in v}
+
+
+def table(summary: dict) -> str:
+    """Markdown: per drafter, one row per category, one column per shape: speedup (tokens per round)."""
+    lines = ["Verify pass of N tokens over T1 on this device (T1 = %.1f ms): " % summary["T1_ms"]
+             + ", ".join(f"N={w}: {r:.2f}" for w, r in summary["verify_cost"].items()), ""]
+    runs = runs_of(summary)
+    for drafter in sorted({r["drafter"] for r in runs.values()}):
+        mine = {r["shape"]: r for r in runs.values() if r["drafter"] == drafter}
+        shapes = list(mine)
+        categories = sorted({c for r in mine.values() for c in r["categories"]})
+        lines += [f"{drafter}: speedup over plain decoding (tokens per round), batch 1, greedy", "",
+                  "| category | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+        for c in [*categories, "overall"]:
+            cells = [mine[s]["overall"] if c == "overall" else mine[s]["categories"].get(c) for s in shapes]
+            lines.append(f"| {c} | " + " | ".join(
+                "-" if x is None else f"{x['speedup']:.2f}x ({x['tokens_per_round']:.2f})" for x in cells) + " |")
+        lines.append("| nodes verified / round | " + " | ".join(
+            f"{mine[s]['overall']['drafts_per_round']:.1f}" for s in shapes) + " |")
+        lines.append("| predicted where Tv(N) = T1 | " + " | ".join(
+            f"{mine[s]['predicted_accelerator_speedup']:.2f}x" for s in shapes) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = runs_of(summary)
+    drafters = sorted({r["drafter"] for r in runs.values()})
+    fig, axes = plt.subplots(1, 1 + len(drafters), figsize=(6 + 7 * len(drafters), 4), squeeze=False)
+    widths = [int(w) for w in summary["verify_cost"]]
+    axes[0, 0].plot(widths, list(summary["verify_cost"].values()), "o-")
+    axes[0, 0].set(xlabel="tokens in the verify pass (N + 1)", ylabel="Tv / T1", title="verify cost on this device")
+    for ax, drafter in zip(axes[0, 1:], drafters):
+        mine = {r["shape"]: r for r in runs.values() if r["drafter"] == drafter}
+        categories = sorted({c for r in mine.values() for c in r["categories"]}) + ["overall"]
+        x = np.arange(len(categories))
+        for i, (shape, r) in enumerate(mine.items()):
+            values = [(r["overall"] if c == "overall" else r["categories"].get(c, {})).get("tokens_per_round", np.nan)
+                      for c in categories]
+            ax.bar(x + (i - len(mine) / 2 + 0.5) * 0.8 / len(mine), values, 0.8 / len(mine), label=shape)
+        ax.set_xticks(x, categories, rotation=30, ha="right")
+        ax.set(ylabel="tokens per round", title=f"{drafter}: chains and trees (greedy, batch 1)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
