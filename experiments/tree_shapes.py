@@ -9,6 +9,10 @@ the target pass at each of `--widths` tokens over T1 (the cost of verifying N no
 from it, the speedup the cost model predicts on a device where Tv(N) is about T1 (a
 prediction, not a measurement): tokens per round / (1 + drafting / T1).
 
+`--tokens-only` skips the timing (and plain decoding): tokens per round, which is deterministic
+and hardware-independent, from one `generate` run per category, a few seconds a prompt where a
+timed bench takes about a minute on this CPU.
+
 Writes `experiments/results/tree_shapes/summary.json`, `table.md` and `tree_shapes.png`.
 
     python experiments/tree_shapes.py --drafter ngram --shapes g4 t8x4x2 t12x4x3 t16x4x4 \\
@@ -33,6 +37,7 @@ from specdec_jax.bench import bench  # noqa: E402
 from specdec_jax.config import RunConfig  # noqa: E402
 from specdec_jax.engine.calibration import time_target_pass  # noqa: E402
 from specdec_jax.models import load_model  # noqa: E402
+from specdec_jax.runner import prompt_records, run  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "tree_shapes"
 
@@ -71,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 3, 5, 9, 13, 17, 33])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     for shape in args.shapes:
@@ -86,23 +92,45 @@ def main(argv=None) -> int:
         for shape in args.shapes:
             cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, max_new_tokens=args.max_new_tokens,
                             prompts_file=str(prompts), **shape_fields(shape))
-            report = bench(cfg, repeats=args.repeats, per_category=args.per_category)
             name = f"{args.drafter}_{shape}"
-            (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
-            overall = report["overall"]
-            draft_over_t1 = overall["Td_ms"] * overall["drafts_per_round"] / overall["T1_ms"]
-            summary[name] = {
-                "drafter": args.drafter, "shape": shape,
-                "overall": {k: overall[k] for k in ("speedup", "tokens_per_round", "tie_aware_equal", "prompts",
-                                                    "drafts_per_round", "accepted_depth_rounds", "Tv_over_T1")},
-                "predicted_accelerator_speedup": overall["tokens_per_round"] / (1 + draft_over_t1),
-                "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}
-                               for c, a in report["categories"].items()}}
+            summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
+                             else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
+            summary[name].update(drafter=args.drafter, shape=shape)
             summary_path.write_text(json.dumps(summary, indent=1, default=str))
     (args.out / "table.md").write_text(table(summary))
     plot(summary, args.out / "tree_shapes.png")
     print(table(summary))
     return 0
+
+
+def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -> dict:
+    """`bench` beside plain decoding: speedups, tokens per round, the cost model's prediction."""
+    report = bench(cfg, repeats=repeats, per_category=per_category)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    overall = report["overall"]
+    draft_over_t1 = overall["Td_ms"] * overall["drafts_per_round"] / overall["T1_ms"]
+    return {"overall": {k: overall[k] for k in ("speedup", "tokens_per_round", "tie_aware_equal", "prompts",
+                                                "drafts_per_round", "accepted_depth_rounds", "Tv_over_T1")},
+            "predicted_accelerator_speedup": overall["tokens_per_round"] / (1 + draft_over_t1),
+            "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}
+                           for c, a in report["categories"].items()}}
+
+
+def tokens_only(cfg: RunConfig, per_category: int) -> dict:
+    """Tokens per round per category (one untimed run each), and overall."""
+    by_category = {}
+    for r in prompt_records(cfg):
+        by_category.setdefault(r["category"], [])
+        if len(by_category[r["category"]]) < per_category:
+            by_category[r["category"]].append(r)
+    target = load_model(cfg.model)
+    metrics = {c: run(cfg, target=target, records=rs, progress=False)["metrics"] for c, rs in by_category.items()}
+    emitted = sum(m["emitted_tokens"] for m in metrics.values())
+    rounds = sum(m["rounds"] for m in metrics.values())
+    drafted = sum(m["draft_tokens"] for m in metrics.values())
+    return {"overall": {"tokens_per_round": emitted / rounds, "drafts_per_round": drafted / rounds,
+                        "prompts": sum(map(len, by_category.values()))},
+            "categories": {c: {"tokens_per_round": m["mean_accepted_length"]} for c, m in metrics.items()}}
 
 
 def runs_of(summary: dict) -> dict:
@@ -111,23 +139,26 @@ def runs_of(summary: dict) -> dict:
 
 def table(summary: dict) -> str:
     """Markdown: per drafter, one row per category, one column per shape: speedup (tokens per round)."""
-    lines = ["Verify pass of N tokens over T1 on this device (T1 = %.1f ms): " % summary["T1_ms"]
-             + ", ".join(f"N={w}: {r:.2f}" for w, r in summary["verify_cost"].items()), ""]
+    lines = ["Verify pass of w tokens (N + 1 for N nodes) over T1 on this device (T1 = %.1f ms): " % summary["T1_ms"]
+             + ", ".join(f"w={w}: {r:.2f}" for w, r in summary["verify_cost"].items()), ""]
     runs = runs_of(summary)
     for drafter in sorted({r["drafter"] for r in runs.values()}):
         mine = {r["shape"]: r for r in runs.values() if r["drafter"] == drafter}
         shapes = list(mine)
         categories = sorted({c for r in mine.values() for c in r["categories"]})
-        lines += [f"{drafter}: speedup over plain decoding (tokens per round), batch 1, greedy", "",
+        lines += [f"{drafter}: speedup over plain decoding (tokens per round; untimed runs: tokens per round only), "
+                  "batch 1, greedy", "",
                   "| category | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
         for c in [*categories, "overall"]:
             cells = [mine[s]["overall"] if c == "overall" else mine[s]["categories"].get(c) for s in shapes]
             lines.append(f"| {c} | " + " | ".join(
-                "-" if x is None else f"{x['speedup']:.2f}x ({x['tokens_per_round']:.2f})" for x in cells) + " |")
+                "-" if x is None else (f"{x['speedup']:.2f}x " if "speedup" in x else "")
+                + f"({x['tokens_per_round']:.2f})" for x in cells) + " |")
         lines.append("| nodes verified / round | " + " | ".join(
             f"{mine[s]['overall']['drafts_per_round']:.1f}" for s in shapes) + " |")
-        lines.append("| predicted where Tv(N) = T1 | " + " | ".join(
-            f"{mine[s]['predicted_accelerator_speedup']:.2f}x" for s in shapes) + " |")
+        if all("predicted_accelerator_speedup" in mine[s] for s in shapes):
+            lines.append("| predicted where Tv(N) = T1 | " + " | ".join(
+                f"{mine[s]['predicted_accelerator_speedup']:.2f}x" for s in shapes) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -119,3 +119,21 @@ def test_subsample_keeps_first_n_per_category():
 def test_bench_without_a_drafter_is_a_clean_error(capsys):
     assert main(["bench", "--model", "tiny-random", "--drafter", "none", "--prompt", "x"]) == 2
     assert "bench compares a drafter" in capsys.readouterr().err
+
+
+def test_bench_of_a_tree_reports_depths_and_nodes(tmp_path):
+    """A trie (6 nodes): the report's accepted-depth counts cover every round and match the
+    per-position counts, nodes per round are the drafts per round, and output equals plain."""
+    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompt=("abc abc abc abc abc abc",),
+                    max_new_tokens=NEW, tree_depth=3, tree_topk=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_module, "time_target_pass", lambda run, width: {1: 0.010, 7: 0.030}[width])
+        patch.setattr(bench_module, "time_draft_step", lambda run: DRAFT_STEP)
+        report = bench(cfg, repeats=1, progress=False)
+    overall, batch = report["overall"], report["batches"][0]
+    depths = overall["accepted_depth_rounds"]
+    assert len(depths) == 7 and sum(depths) == batch["rounds"]
+    assert [sum(depths[i + 1:]) for i in range(6)] == batch["position_accepted"]
+    assert overall["drafts_per_round"] == pytest.approx(batch["draft_tokens"] / batch["rounds"])
+    assert overall["verify_widths"] == [1, 7] and overall["tie_aware_equal"]
+    assert "tree=6 nodes, depth 3, top-2" in format_report(report).splitlines()[0]

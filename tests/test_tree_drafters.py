@@ -41,7 +41,8 @@ def node_paths(tokens, parents, count):
 
 
 def reference_trie(h, k, depth, max_n, min_n):
-    """Prefixes of the continuations of the k best starts (longest match, then most recent)."""
+    """Prefixes of the continuations of the k best starts (longest match, then most recent),
+    skipping starts whose continuation a chosen one already covers."""
     length, scored = len(h), []
     for p in range(length):
         n = 0
@@ -49,8 +50,11 @@ def reference_trie(h, k, depth, max_n, min_n):
             n += 1
         if n >= min_n:
             scored.append((n, p))
-    best = sorted(scored, reverse=True)[:k]
-    return {tuple(h[p : p + d]) for _, p in best for d in range(1, depth + 1) if p + d <= length}
+    best = []
+    for _, p in sorted(scored, reverse=True):  # skip a continuation that is a prefix of a chosen one
+        if len(best) < k and not any(h[p : p + depth] == h[q : q + depth][: len(h[p : p + depth])] for q in best):
+            best.append(p)
+    return {tuple(h[p : p + d]) for p in best for d in range(1, depth + 1) if p + d <= length}
 
 
 def test_ngram_trie_matches_a_python_trie_on_random_buffers():

@@ -9,9 +9,10 @@ Rows with no match propose 0 drafts. Fixed shape: a [B, Tbuf] compare per
 
 With a `TreeShape` (`--tree-topk K --tree-depth D --tree-nodes N`) it proposes a
 trie: the K best continuation starts (longest suffix match first, then the
-preferred end), each continued for up to D tokens, merged where their prefixes
-agree (one node per distinct prefix), breadth first, the first N nodes kept.
-K = 1 is the chain.
+preferred end; a start whose continuation adds nothing to the chosen ones',
+being a prefix of one, is skipped), each continued for up to D tokens, merged
+where their prefixes agree (one node per distinct prefix), breadth first, the
+first N nodes kept. K = 1 is the chain.
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ class NgramDrafter(DrafterBase):
         num_draft = jnp.where(found, jnp.minimum(gamma, length - cont), 0).astype(jnp.int32)
         return Proposal(drafts.astype(jnp.int32), num_draft, None), state
 
+    @staticmethod
+    def _distinct_best(tokens, length, score, k: int, depth: int):
+        """``(score, start)`` i32[B,K]: the k best-scoring starts, each skipping the starts whose
+        continuation (up to ``depth`` tokens, cut at the committed length) is a prefix of a chosen
+        one's, since it would add no node; score -1 where fewer remain."""
+        batch, size = tokens.shape
+        position = jnp.arange(size)[None, :, None] + jnp.arange(depth)[None, None, :]  # [1,T,D]
+        present = position < length[:, None, None]  # [B,T,D]
+        cont = jnp.take_along_axis(tokens, jnp.minimum(position, size - 1).reshape(1, -1).repeat(batch, 0), axis=1)
+        cont = cont.reshape(batch, size, depth)
+        rows = jnp.arange(batch)
+        scores, starts = [], []
+        for _ in range(k):
+            start = jnp.argmax(score, axis=1)
+            best = score[rows, start]
+            chosen, chosen_present = cont[rows, start], present[rows, start]  # [B,D]
+            covered = jnp.all(~present | (chosen_present[:, None] & (cont == chosen[:, None])), axis=2)
+            score = jnp.where(covered | (best < 0)[:, None], -1, score)
+            scores.append(best)
+            starts.append(start)
+        return jnp.stack(scores, axis=1), jnp.stack(starts, axis=1).astype(jnp.int32)
+
     def _propose_trie(self, ctx: DraftContext, nodes: int) -> Proposal:
         """A trie of the K best matches' continuations, N = ``nodes`` nodes (point masses)."""
         k, depth = self.tree.topk, self.tree.depth
@@ -101,7 +124,7 @@ class NgramDrafter(DrafterBase):
             eligible &= starts - self.min_n >= length[:, None] - self.window
         order = starts if self.prefer == "recent" else size - starts
         score = jnp.where(eligible, match_len * (size + 1) + order, -1)
-        top, start = jax.lax.top_k(score, k)  # [B,K] the best starts, best first
+        top, start = self._distinct_best(tokens, length, score, k, depth)  # [B,K] best first
         offset = jnp.arange(depth)[None, None, :]
         position = start[:, :, None] + offset  # [B,K,D]
         present = (top[:, :, None] >= 0) & (position < length[:, None, None])

@@ -1,8 +1,8 @@
 """Speculative decoding as one jitted `lax.while_loop` (DESIGN sections 2-4, 9).
 
     state.py       EngineSpec (static), EngineParams (weights), DecodeState (the loop's pytree)
-    round.py       draft_step, verify_step (target_pass, target_law, accept, commit,
-                   stop_reasons), decode_round, run_loop
+    round.py       draft_step, verify_step (target_pass, target_law, accept / accept_tree, commit,
+                   stop_reasons), decode_round, run_loop; chains and token trees (`specdec_jax.tree`)
     batching.py    validate, bucket, place on a mesh, prefill: prepare -> Prepared
     generation.py  generate: prepare, run the loop, unpack a GenerationResult
     shape.py       ShapePolicy: the draft length and verify width chosen per round (gamma "auto")
@@ -21,6 +21,7 @@ from specdec_jax.engine.calibration import AUTO_GAMMAS, measure_costs, policy_fr
 from specdec_jax.engine.generation import generate
 from specdec_jax.engine.round import (
     accept,
+    accept_tree,
     commit,
     decode_round,
     draft_room,
@@ -48,7 +49,7 @@ from specdec_jax.engine.state import (
 __all__ = [
     "AUTO", "AUTO_GAMMAS", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams",
     "EngineSpec", "ShapePolicy", "measure_costs", "policy_from_costs", "shape_policy",
-    "GenerationResult", "Prepared", "accept", "commit", "decode_round", "default_capacity", "draft_room",
+    "GenerationResult", "Prepared", "accept", "accept_tree", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
     "target_law", "target_pass", "validate", "verify_step",
 ]
