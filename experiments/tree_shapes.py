@@ -37,7 +37,7 @@ from specdec_jax.bench import bench  # noqa: E402
 from specdec_jax.config import RunConfig  # noqa: E402
 from specdec_jax.engine.calibration import time_target_pass  # noqa: E402
 from specdec_jax.models import load_model  # noqa: E402
-from specdec_jax.runner import prompt_records, run  # noqa: E402
+from specdec_jax.runner import drop_compiled_programs, prompt_records, run  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "tree_shapes"
 
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 3, 5, 9, 13, 17, 33])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
+    parser.add_argument("--ngram-min", type=int, default=RunConfig.ngram_min, help="shortest n-gram the lookup tries")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     for shape in args.shapes:
@@ -91,11 +92,11 @@ def main(argv=None) -> int:
         prompts = category_prompts(pathlib.Path(folder), args.categories)
         for shape in args.shapes:
             cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, max_new_tokens=args.max_new_tokens,
-                            prompts_file=str(prompts), **shape_fields(shape))
-            name = f"{args.drafter}_{shape}"
+                            prompts_file=str(prompts), ngram_min=args.ngram_min, **shape_fields(shape))
+            name = f"{args.drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != RunConfig.ngram_min else "")
             summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
                              else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
-            summary[name].update(drafter=args.drafter, shape=shape)
+            summary[name].update(drafter=args.drafter, shape=name[len(args.drafter) + 1:])
             summary_path.write_text(json.dumps(summary, indent=1, default=str))
     (args.out / "table.md").write_text(table(summary))
     plot(summary, args.out / "tree_shapes.png")
@@ -124,7 +125,10 @@ def tokens_only(cfg: RunConfig, per_category: int) -> dict:
         if len(by_category[r["category"]]) < per_category:
             by_category[r["category"]].append(r)
     target = load_model(cfg.model)
-    metrics = {c: run(cfg, target=target, records=rs, progress=False)["metrics"] for c, rs in by_category.items()}
+    metrics = {}
+    for c, rs in by_category.items():
+        drop_compiled_programs()  # XLA CPU keeps every program compiled in a process
+        metrics[c] = run(cfg, target=target, records=rs, progress=False)["metrics"]
     emitted = sum(m["emitted_tokens"] for m in metrics.values())
     rounds = sum(m["rounds"] for m in metrics.values())
     drafted = sum(m["draft_tokens"] for m in metrics.values())
