@@ -15,6 +15,15 @@ MARKERS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compile_caches():
+    """Each test module starts with empty compile caches: XLA CPU keeps every compiled program
+    memory-mapped, and the whole suite in one process exceeds vm.max_map_count (65,530), which
+    ends in "LLVM ERROR: Unable to allocate section memory" or a segfault while compiling."""
+    jax.clear_caches()
+    yield
+
+
 def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
