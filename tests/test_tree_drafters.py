@@ -152,6 +152,7 @@ def reference_laws(drafter, target_params, sequence, paths):
     return laws
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(DYNAMIC))
 def test_dynamic_tree_expands_the_best_nodes_with_their_top_k_children(kind):
     """Top-2, depth 3 and all 2 + 2 * 4 candidates kept: every expanded node holds exactly the 2
