@@ -8,8 +8,13 @@ of each category at batch 1, then all of them ragged in batches). Writes
 `experiments/results/auto_shape/summary.json`, `table.md` and `auto_shape.png`
 (speedup over plain per category, one bar per shape).
 
+A shape is a chain length (``4``), ``auto`` (`--gamma auto`), a fixed token tree
+of N nodes (``t16``) or ``tauto`` (`--tree-nodes auto`), the trees of
+`--tree-depth` x `--tree-topk`.
+
     python experiments/auto_shape.py                                # batch 1, shapes 1 2 4 auto
-    python experiments/auto_shape.py --batch-sizes 4 16 --shapes 4 auto
+    python experiments/auto_shape.py --batch-sizes 4 16 32 --shapes 4 auto --per-category 2
+    python experiments/auto_shape.py --shapes 4 auto t16 tauto --tree-depth 8 --tree-topk 2
 """
 
 from __future__ import annotations
@@ -30,14 +35,27 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "auto_shape"
 
 
 def shape_of(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    if text in ("auto", "tauto") or text.startswith("t") and text[1:].isdigit():
+        return text
+    return int(text)
+
+
+def shape_fields(shape: int | str, depth: int, topk: int) -> dict:
+    """RunConfig fields of a shape (module docstring)."""
+    if isinstance(shape, str) and shape.startswith("t"):
+        nodes = "auto" if shape == "tauto" else int(shape[1:])
+        return {"tree_nodes": nodes, "tree_depth": depth, "tree_topk": topk}
+    return {"gamma": shape}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", type=shape_of, default=[1, 2, 4, "auto"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    parser.add_argument("--per-category", type=int, default=1, help="prompts per category at batch 1")
+    parser.add_argument("--per-category", type=int, default=None,
+                        help="prompts per category (default: 1 at batch 1, all 5 at larger batches)")
+    parser.add_argument("--tree-depth", type=int, default=8, help="depth of the t<N> and tauto trees")
+    parser.add_argument("--tree-topk", type=int, default=2, help="top-k of the t<N> and tauto trees")
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -50,10 +68,13 @@ def main(argv=None) -> int:
         prompts = heldout_prompts_file(pathlib.Path(folder))
         for batch in args.batch_sizes:
             for shape in args.shapes:
-                cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, gamma=shape, batch_size=batch,
-                                max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
-                report = bench(cfg, repeats=1, per_category=args.per_category if batch == 1 else None)
-                name = f"{args.drafter}_b{batch}_g{shape}"
+                cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, batch_size=batch,
+                                max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
+                                **shape_fields(shape, args.tree_depth, args.tree_topk))
+                per_category = args.per_category if args.per_category else 1 if batch == 1 else None
+                report = bench(cfg, repeats=1, per_category=per_category)
+                tree = f"x{args.tree_depth}x{args.tree_topk}" if cfg.is_tree else ""
+                name = f"{args.drafter}_b{batch}_g{shape}{tree}"
                 (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
                 summary[name] = {
                     "drafter": args.drafter, "batch_size": batch, "gamma": shape,
@@ -68,6 +89,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def label(shape: str) -> str:
+    """Column name of a shape: gamma 4, gamma auto, tree 16, tree auto."""
+    return f"tree {shape[1:]}" if shape.startswith("t") else f"gamma {shape}"
+
+
 def table(summary: dict) -> str:
     """Markdown: one row per (batch, category), one column per shape: speedup (tokens per round)."""
     lines = []
@@ -76,7 +102,7 @@ def table(summary: dict) -> str:
         shapes = sorted(runs, key=lambda g: (g == "auto", g))
         categories = sorted({c for s in runs.values() for c in s["categories"]})
         lines += [f"batch {batch}: speedup over plain decoding (tokens per round)", "",
-                  "| category | " + " | ".join(f"gamma {g}" for g in shapes) + " |",
+                  "| category | " + " | ".join(label(g) for g in shapes) + " |",
                   "|---|" + "---|" * len(shapes)]
         for c in [*categories, "overall"]:
             cells = [runs[g]["overall"] if c == "overall" else runs[g]["categories"].get(c) for g in shapes]
@@ -103,7 +129,7 @@ def plot(summary: dict, png: pathlib.Path) -> None:
         for i, g in enumerate(shapes):
             values = [(runs[g]["overall"] if c == "overall" else runs[g]["categories"].get(c, {})).get("speedup", np.nan)
                       for c in categories]
-            ax.bar(x + (i - len(shapes) / 2 + 0.5) * 0.8 / len(shapes), values, 0.8 / len(shapes), label=f"gamma {g}")
+            ax.bar(x + (i - len(shapes) / 2 + 0.5) * 0.8 / len(shapes), values, 0.8 / len(shapes), label=label(g))
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, categories, rotation=30, ha="right")
         ax.set(ylabel="speedup over plain", title=f"batch {batch}")

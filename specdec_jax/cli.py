@@ -43,7 +43,8 @@ FLAG_HELP = {
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
     "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
-    "tree_nodes": "draft a token tree of this many nodes (ngram, draft-model, eagle, medusa); default depth x topk",
+    "tree_nodes": "draft a token tree of this many nodes (ngram, draft-model, eagle, medusa; default depth x "
+                  "topk), or auto: each round verifies the best 0, 1, 2, 4, 8, 16 .. depth x topk of them",
     "tree_depth": "deepest tree node (default 4 with a tree)",
     "tree_topk": "children per expanded node: n-gram matches, draft/EAGLE top-k, Medusa ranks (default 2 with a tree)",
     "tree_choices": "a static tree for medusa: JSON list of top-k rank paths, Medusa's format",
@@ -51,7 +52,7 @@ FLAG_HELP = {
 
 
 def _gamma(text: str) -> int | str:
-    """--gamma: an int or 'auto'."""
+    """--gamma, --tree-nodes: an int or 'auto'."""
     if text == "auto":
         return text
     try:
@@ -72,7 +73,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         elif name == "stop_id":
             parser.add_argument(flag, action="append", type=int, default=None, metavar="ID", help=FLAG_HELP[name])
         else:
-            kind = _gamma if name == "gamma" else int if name in TREE_FIELDS else str if value is None else type(value)
+            kind = (_gamma if name in ("gamma", "tree_nodes") else int if name in TREE_FIELDS
+                    else str if value is None else type(value))
             parser.add_argument(flag, type=kind, default=None, help=f"{FLAG_HELP[name]} (default {value})")
     parser.add_argument("--config", type=pathlib.Path, help="YAML config file (flags override it)")
     parser.add_argument("--json", type=pathlib.Path, metavar="OUT", help="write the full report as JSON")

@@ -51,7 +51,8 @@ class RunConfig:
     ngram_max: int = 3
     ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
     mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
-    tree_nodes: int | None = None  # a token tree of this many nodes (specdec_jax.tree); None: a chain
+    tree_nodes: int | str | None = None  # a token tree of this many nodes (specdec_jax.tree), "auto" (a size
+    # chosen per round, engine.shape); None: a chain
     tree_depth: int | None = None
     tree_topk: int | None = None
     tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
@@ -91,8 +92,10 @@ class RunConfig:
     def _check_tree(self) -> None:
         for name in TREE_FIELDS:
             value = getattr(self, name)
+            if name == "tree_nodes" and value == AUTO:
+                continue
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an int >= 1{' or auto' * (name == 'tree_nodes')}, got {value!r}")
         if not self.is_tree or self.gamma == 0:
             return
         if self.drafter not in TREE_DRAFTERS:
@@ -101,9 +104,9 @@ class RunConfig:
         if self.tree_choices is not None and self.drafter != "medusa":
             raise ValueError("tree_choices (a static tree) is for --drafter medusa")
         shape = self.tree_shape
-        if self.gamma not in (AUTO, shape.nodes):
-            raise ValueError(f"gamma {self.gamma} and a tree of {shape.nodes} nodes exclude each other: leave gamma "
-                             f"unset with a tree (its node count is the round's width)")
+        if self.gamma not in (AUTO, shape.nodes) or self.tree_nodes == AUTO and self.gamma != AUTO:
+            raise ValueError(f"gamma {self.gamma} and a tree of {self.tree_nodes or shape.nodes} nodes exclude each "
+                             f"other: leave gamma unset with a tree (its node count is the round's width)")
 
     @property
     def is_tree(self) -> bool:
@@ -118,20 +121,23 @@ class RunConfig:
             return load_choices(self.tree_choices)
         depth = self.tree_depth or TREE_DEFAULTS["tree_depth"]
         topk = self.tree_topk or TREE_DEFAULTS["tree_topk"]
-        return TreeShape(nodes=self.tree_nodes or depth * topk, depth=depth, topk=topk)
+        nodes = depth * topk if self.tree_nodes in (None, AUTO) else self.tree_nodes  # auto: sizes up to depth x topk
+        return TreeShape(nodes=nodes, depth=depth, topk=topk)
 
     @property
     def effective_gamma(self) -> int | str:
-        """What `generate` gets: an int (0 = plain decoding; a tree's node count) or "auto"."""
+        """What `generate` gets: an int (0 = plain decoding; a tree's node count) or "auto" (with a
+        tree drafter: the tree size chosen per round)."""
         if self.gamma != 0 and self.is_tree:
-            return self.tree_shape.nodes
+            return AUTO if self.tree_nodes == AUTO else self.tree_shape.nodes
         return self.gamma
 
     @property
     def widest_gamma(self) -> int:
         """The most drafts (tree nodes) a round can verify (sizes the KV capacity)."""
-        gamma = self.effective_gamma
-        return max(AUTO_GAMMAS) if gamma == AUTO else gamma
+        if self.gamma != 0 and self.is_tree:
+            return self.tree_shape.nodes
+        return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -116,7 +116,8 @@ def shape_label(cfg: RunConfig) -> str:
     shape = cfg.tree_shape if cfg.gamma else None
     if shape is None:
         return f"gamma={cfg.gamma}"
-    return f"tree={shape.nodes} nodes, depth {shape.depth}" + ("" if shape.choices else f", top-{shape.topk}")
+    nodes = f"auto (0-{shape.nodes})" if cfg.tree_nodes == "auto" else shape.nodes
+    return f"tree={nodes} nodes, depth {shape.depth}" + ("" if shape.choices else f", top-{shape.topk}")
 
 
 def stats_line(report: dict) -> str:

@@ -377,15 +377,32 @@ def test_tree_flags_run_a_lossless_tree_and_report_its_shape(tmp_path, capsys):
     assert len(tree["metrics"]["per_position_acceptance"]) == 6  # one per node
 
 
+def test_tree_nodes_auto_chooses_sizes_per_round_losslessly(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a fresh calibration
+    out = tmp_path / "auto.json"
+    assert main([*TREE, "--tree-nodes", "auto", "--tree-depth", "3", "--tree-topk", "2", "--json", str(out)]) == 0
+    stats = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert stats[0].startswith("[ngram tree=auto (0-6) nodes, depth 3, top-2]")
+    report = json.loads(out.read_text())
+    assert report["config"]["tree_nodes"] == "auto"
+    assert RunConfig(drafter="ngram", tree_nodes="auto").effective_gamma == "auto"
+    assert RunConfig(drafter="ngram", tree_nodes="auto", tree_depth=8).widest_gamma == 16
+    plain = tmp_path / "plain.json"
+    assert main([*TREE, "--drafter", "none", "--json", str(plain)]) == 0
+    assert [r["tokens"] for r in report["results"]] == [r["tokens"] for r in json.loads(plain.read_text())["results"]]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--drafter", "oracle", "--tree-topk", "2"], "the oracle drafter drafts chains only"),
     (["--gamma", "4", "--tree-nodes", "8"], "gamma 4 and a tree of 8 nodes exclude each other"),
     (["--tree-depth", "5", "--tree-nodes", "3"], "a tree of 3 nodes cannot be 5 deep"),
     (["--tree-choices", "tree.json"], "tree_choices (a static tree) is for --drafter medusa"),
-    (["--tree-nodes", "0"], "tree_nodes must be an int >= 1, got 0"),
+    (["--tree-nodes", "0"], "tree_nodes must be an int >= 1 or auto, got 0"),
+    (["--gamma", "4", "--tree-nodes", "auto"], "gamma 4 and a tree of auto nodes exclude each other"),
     (["--drafter", "medusa", "--draft-model", "x", "--tree-choices", "/nonexistent/tree.json"],
      "cannot read tree choices from /nonexistent/tree.json"),
-], ids=["chain-only-drafter", "gamma-and-tree", "depth-over-nodes", "choices-not-medusa", "zero-nodes", "no-choices-file"])
+], ids=["chain-only-drafter", "gamma-and-tree", "depth-over-nodes", "choices-not-medusa", "zero-nodes", "gamma-and-auto-tree",
+                                 "no-choices-file"])
 def test_bad_tree_flags_are_one_line(capsys, flags, message):
     assert main([*TREE, *flags]) == 2
     line = one_error_line(capsys)

@@ -95,6 +95,7 @@ def medusa_heads() -> MedusaDrafter:
 # gamma "auto": a fixed policy (not a calibration, so the run is deterministic) under which the
 # batch's shape changes from round to round as the estimates move
 AUTO_POLICY = ShapePolicy((0, 1, 3), (1.0, 1.2, 1.5), (0.0, 0.1, 0.3), prior=0.9)
+AUTO_TREE_POLICY = ShapePolicy((0, 2, 7), (1.0, 1.02, 2.0), (0.0, 0.1, 0.1), prior=0.9, learn=1.0, tree=True)  # decoy tree
 
 
 @functools.cache
@@ -107,7 +108,7 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
     # for 65,536 rows, several seconds less per call.
-    policy = AUTO_POLICY if gamma == "auto" else None
+    policy = (AUTO_TREE_POLICY if getattr(drafter, "tree", None) else AUTO_POLICY) if gamma == "auto" else None
     out = generate(target(), [PROMPT] * N, drafter, gamma=gamma, policy=policy, sampling=SAMPLED, max_new_tokens=new,
                    seed=seed, capacity=16)
     tokens = np.asarray(out.tokens)
@@ -119,12 +120,12 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
 # (token trees: gamma None, the tree's node count)
 CASES = [("model", 2, 11, 3), ("model", 3, 12, 4), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
          ("medusa", 3, 16, 4), ("model", "auto", 17, 4), pytest.param("trie", None, 18, 4, marks=pytest.mark.slow), ("decoy-model", None, 19, 4),
-         pytest.param("eagle-tree", None, 20, 4, marks=pytest.mark.slow)]
+         pytest.param("eagle-tree", None, 20, 4, marks=pytest.mark.slow), ("decoy-model", "auto", 21, 4)]
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
                          ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto",
-                              "trie", "decoy-tree-of-model", "eagle-tree"])
+                              "trie", "decoy-tree-of-model", "eagle-tree", "decoy-tree-auto"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
@@ -134,9 +135,9 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     assert metrics.draft_tokens > N and metrics.accepted_tokens > N / 10, metrics
     if gamma is not None:  # (a tree drafts many nodes per accepted one)
         assert 0.1 < metrics.acceptance_rate < 0.99, metrics
-    if gamma == "auto":  # the shape changed between rounds: some verified one draft, some three
+    if gamma == "auto":  # the shape changed between rounds: some verified one draft (two nodes), some three (7)
         assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
-        gamma = AUTO_POLICY.max_gamma
+        gamma = None if drafter == "decoy-model" else AUTO_POLICY.max_gamma
     if gamma is None:  # a tree: rounds verified 3 nodes or more, and accepted paths of depth 2
         assert metrics.position_proposed[2] > N / 10 and metrics.position_accepted[1] > 0, metrics
     else:

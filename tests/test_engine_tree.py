@@ -69,8 +69,8 @@ def test_trie_beats_the_chain_where_matches_branch():
     drafted = run.round()
     parents = np.asarray(drafted.proposal.parents[0, :8]).tolist()
     tokens = np.asarray(drafted.proposal.drafts[0, :8]).tolist()
-    # the two latest continuations of [9, 9, 7, 8]: 1 2 3 9 and 4 5 6 9, as two branches
-    assert tokens == [1, 4, 2, 5, 3, 6, 9, 9] and parents == [-1, -1, 0, 1, 2, 3, 4, 5]
+    # the two latest continuations of [9, 9, 7, 8]: 1 2 3 9 and 4 5 6 9, as two branches, the best first
+    assert tokens == [1, 2, 3, 9, 4, 5, 6, 9] and parents == [-1, 0, 1, 2, -1, 4, 5, 6]
     chain_run = H.prepare(prompt, chain, gamma=4)
     assert np.asarray(chain_run.round().proposal.drafts[0]).tolist() == [1, 2, 3, 9]
 
@@ -113,7 +113,11 @@ def test_tree_rounds_leave_caches_equal_to_a_fresh_prefill():
 
 
 def test_tree_shape_errors():
-    with pytest.raises(ValueError, match="auto"):
-        engine.prepare(H.target(), H.RAGGED, H.ngram_trie(), gamma="auto")
+    chain_policy = engine.ShapePolicy((0, 12), (1.0, 1.5), (0.0, 0.0))
+    with pytest.raises(ValueError, match="a tree drafter needs a shape policy over node counts"):
+        engine.prepare(H.target(), H.RAGGED, H.ngram_trie(), policy=chain_policy)
+    tree_policy = engine.ShapePolicy((0, 4), (1.0, 1.5), (0.0, 0.0), tree=True)
+    with pytest.raises(ValueError, match="a chain drafter one over chain lengths"):
+        engine.prepare(H.target(), H.RAGGED, H.ngram(), policy=tree_policy)
     with pytest.raises(ValueError, match="12 nodes"):
         engine.prepare(H.target(), H.RAGGED, H.ngram_trie(), gamma=4)

@@ -3,7 +3,9 @@
 References are closed forms (theory.expected_tokens_per_round), hand-computed
 choices, and plain decoding; the oracle drafter (acceptance exactly alpha per
 position) shows the choice follows acceptance: alpha 0 settles on plain steps,
-alpha 1 on the widest shape.
+alpha 1 on the widest shape. Token-tree sizes (node counts, per-node estimates)
+get the same checks, and the target as its own tree draft settles on the
+whole tree.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     calls = []
 
-    def fake(target, drafter, batch, capacity, gammas):
+    def fake(target, drafter, batch, capacity, gammas, tree=False):
         calls.append(batch)
         return {"T1": 0.01, "verify_s": [0.01, 0.012, 0.014, 0.02], "draft_s": [0.0, 0.001, 0.002, 0.004],
                 "gammas": list(gammas)}
@@ -166,3 +168,80 @@ def test_measured_costs_have_one_entry_per_shape():
     costs = calibration.measure_costs(H.target(), H.ngram(), 2, 64, (0, 1, 2))
     assert costs["gammas"] == [0, 1, 2] and len(costs["verify_s"]) == len(costs["draft_s"]) == 3
     assert costs["T1"] == costs["verify_s"][0] and min(costs["verify_s"]) > 0 and min(costs["draft_s"]) >= 0
+
+
+TREE_SIZES = (0, 1, 2, 4, 7)
+
+
+def tree_policy(draft=(0.0,) * 5, verify=(1.0, 1.09, 1.3, 1.3, 1.34), **estimator) -> ShapePolicy:
+    return ShapePolicy(TREE_SIZES, verify, draft, tree=True, **estimator)
+
+
+def test_tree_sizes_are_node_counts_up_to_the_tree():
+    assert engine.tree_sizes(16) == (0, 1, 2, 4, 8, 16)
+    assert engine.tree_sizes(12) == (0, 1, 2, 4, 8, 12)
+    assert engine.tree_sizes(3) == (0, 1, 2, 3)
+    assert engine.auto_shapes(H.ngram()) == (engine.AUTO_GAMMAS, False)
+    assert engine.auto_shapes(H.ngram_trie()) == ((0, 1, 2, 4, 8, 12), True)
+
+
+def test_tree_expected_tokens_sum_the_node_marginals_and_the_choice_follows_them():
+    p = jnp.array([[0.9, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1]])
+    got = np.asarray(shape.expected_tokens(p, jnp.array([7]), TREE_SIZES, tree=True))
+    np.testing.assert_allclose(got[0], [1.0, 1.9, 2.4, 2.9, 3.2], rtol=1e-6)
+    live, drafted = jnp.array([True]), jnp.array(4)
+    # per T1: 1, 1.743, 1.846, 2.231, 2.388: the whole tree ...
+    assert int(shape.choose_verify(tree_policy(), p, live, jnp.array([7]), drafted)) == 4
+    # ... unless its last nodes cost more than they bring (Tv(8) = 1.6: 2.0 < 2.231): four nodes
+    verify = (1.0, 1.09, 1.3, 1.3, 1.6)
+    assert int(shape.choose_verify(tree_policy(verify=verify), p, live, jnp.array([7]), drafted)) == 3
+    # a tree is grown whole or not at all: never 1, 2 or 4 nodes drafted
+    costly = tree_policy(draft=(0.0, 0.5, 0.5, 0.5, 0.5))
+    assert int(shape.choose_draft(costly, p, live, jnp.array([7]))) == 4
+    assert int(shape.choose_draft(costly, jnp.full((1, 7), 0.05), live, jnp.array([7]))) == 0
+    assert shape.draft_options(costly) == (0, 7) and shape.draft_options(policy()) == GAMMAS
+
+
+def test_tree_estimates_learn_which_verified_nodes_were_on_the_path():
+    p = tree_policy(prior=0.5, learn=0.5, relax=0.1, follow=0.2)
+    a = jnp.full((2, 7), 0.4)
+    path = jnp.array([[1, 3, -1, -1, -1, -1, -1], [-1] * 7])  # row 0 accepted nodes 1 then 3 of the 4 verified
+    new = np.asarray(shape.update(p, a, jnp.array([True, True]), jnp.array([4, 0]), jnp.array([2, 0]), path))
+    np.testing.assert_allclose(new[0, :4], [0.2, 0.7, 0.2, 0.7], rtol=1e-6)
+    # unverified nodes drift toward the node before them (node 4 toward 0.7, the rest toward 0.4)
+    np.testing.assert_allclose(new[0, 4:], [0.4 + 0.2 * 0.3, 0.4, 0.4], rtol=1e-6)
+    # a row that verified nothing: node 1 relaxes toward the prior
+    np.testing.assert_allclose(new[1], [0.4 + 0.1 * 0.1] + [0.4] * 6, rtol=1e-6)
+    # before any round: a chain's marginals prior^i
+    np.testing.assert_allclose(np.asarray(p.initial(2))[1], 0.5 ** np.arange(1, 8), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["trie", "decoy-of-model"])
+def test_auto_tree_sizes_are_lossless(name):
+    drafter = H.ngram_trie() if name == "trie" else H.decoy_tree(H.model_drafter())
+    sizes = engine.tree_sizes(drafter.tree.nodes)
+    verify = tuple(1.0 + 0.05 * n for n in sizes)
+    draft = (0.0,) * len(sizes) if name == "trie" else (0.0,) + (0.3,) * (len(sizes) - 1)
+    out = engine.generate(H.target(), H.RAGGED, drafter, policy=ShapePolicy(sizes, verify, draft, tree=True),
+                          max_new_tokens=H.MAX_NEW)
+    assert out.tokens == H.reference_no_eos().tokens
+    assert sum(out.metrics.width_rounds) == out.loop_rounds
+    assert sum(r > 0 for r in out.metrics.width_rounds) >= 3, out.metrics.width_rounds  # the size changed
+
+
+def test_auto_tree_of_the_target_itself_settles_on_its_widest_sizes():
+    """The target as its own draft model, a top-2 tree of depth 3 with every candidate kept:
+    the greedy path is in the whole tree, and 4 tokens a round come only from the widest sizes
+    (the tiny model's flat laws rank some deep nodes below shallow ones), which the policy
+    settles on."""
+    from specdec_jax.drafters import ModelDrafter
+    from specdec_jax.tree import TreeShape
+
+    cfg, params = H.target().config, H.target().model.params()
+    drafter = ModelDrafter(cfg, params, tree=TreeShape(nodes=10, depth=3, topk=2))
+    sizes = engine.tree_sizes(10)
+    costs = ShapePolicy(sizes, tuple(1.0 + 0.05 * n for n in sizes), (0.0,) + (0.2,) * (len(sizes) - 1), tree=True)
+    out = engine.generate(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
+    assert out.tokens == H.reference_no_eos().tokens
+    assert sum(out.metrics.width_rounds[-2:]) >= 0.7 * out.loop_rounds, out.metrics.width_rounds
+    assert out.metrics.mean_accepted_length > 3.3, out.metrics

@@ -72,6 +72,22 @@ def test_ngram_trie_matches_a_python_trie_on_random_buffers():
     assert branched > 10
 
 
+def test_ngram_trie_lists_the_best_matchs_chain_first():
+    """Every prefix of the trie is a trie (parents first), and its first nodes are the chain drafter's
+    drafts: a shape policy that verifies n <= depth nodes verifies the n-gram chain."""
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(0, 3, int(n)).tolist() for n in rng.integers(2, 20, 48)]
+    trie = NgramDrafter(max_n=3, min_n=1, tree=TreeShape(nodes=12, depth=4, topk=3))
+    chain = NgramDrafter(max_n=3, min_n=1)
+    t = jax.device_get(jax.jit(lambda c: trie.propose(None, None, c, 12)[0])(context(rows)))
+    c = jax.device_get(jax.jit(lambda c: chain.propose(None, None, c, 4)[0])(context(rows)))
+    for b in range(len(rows)):
+        n = int(c.num_draft[b])
+        assert t.drafts[b, :n].tolist() == c.drafts[b, :n].tolist(), rows[b]
+        assert t.parents[b, :n].tolist() == list(range(-1, n - 1))
+        assert all(t.parents[b, i] < i for i in range(12))
+
+
 def random_medusa(heads=3):
     rng = np.random.default_rng(4)
     h = H.target().config.hidden_size
@@ -118,6 +134,25 @@ def test_top1_dynamic_tree_is_the_greedy_chain_round_after_round(kind):
         drafted = run.round()
         np.testing.assert_array_equal(drafted.proposal.drafts, as_chain.drafts)
         assert drafted.proposal.parents.tolist() == [[-1, 0, 1, 2]] * 4
+
+
+@pytest.mark.parametrize("kind", [*DYNAMIC, "medusa"])
+def test_a_smaller_tree_is_the_first_nodes_of_the_larger(kind):
+    """propose(n) is the first n nodes of propose(N): EAGLE-2's n best are a prefix of its N best
+    (best first), Medusa's static tree is ordered by depth; so truncating the tree, as a shape
+    policy does, verifies the drafter's own tree of that size."""
+    drafter = random_medusa() if kind == "medusa" else DYNAMIC[kind]()
+    drafter = dataclasses.replace(drafter, tree=TreeShape(nodes=10, depth=3, topk=2))
+    run = H.prepare(H.RAGGED, drafter, gamma=None, max_new_tokens=H.MAX_NEW)
+    for _ in range(2):
+        whole = jax.device_get(engine.draft_step(run.spec, run.params, run.state).proposal)
+        for n in (1, 4, 7):
+            spec = dataclasses.replace(run.spec, gamma=n)
+            part = jax.device_get(engine.draft_step(spec, run.params, run.state).proposal)
+            np.testing.assert_array_equal(part.drafts, whole.drafts[:, :n])
+            np.testing.assert_array_equal(part.parents, whole.parents[:, :n])
+            assert (np.asarray(whole.parents[:, :n]) < np.arange(n)).all()
+        run.round()
 
 
 _head_pass = jax.jit(head_pass, static_argnums=(0, 2))

@@ -5,7 +5,9 @@ candidates of the previous depth (by cumulative log-probability, the frontier)
 are expanded: the drafter scores the children of every fed node at once, and
 each frontier node proposes its K most likely children. The N best candidates
 overall become the tree (a parent always outranks its children, so every kept
-node's parent is kept), ordered parents first. The tokens are fixed by the
+node's parent is kept), best first: parents come before their children, and
+the first n nodes are the n best, EAGLE-2's tree of n nodes (what a shape
+policy verifies when it truncates the tree, `engine.shape`). The tokens are fixed by the
 context, so verification treats them as point masses (rule (a) of
 `specdec_jax.verify_tree`), under greedy decoding and sampling alike.
 
@@ -45,6 +47,9 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
     """
     k = shape.topk
     batch = first_logits.shape[0]
+    if nodes == 0:  # a round without speculation
+        return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None,
+                        jnp.zeros((batch, 0), jnp.int32))
 
     def best_children(logits):  # f32[B,M,Vo] -> (log-probs f32[B,M,K], target ids i32[B,M,K])
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -80,8 +85,7 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
         first += k * k
     tokens, scores = jnp.concatenate(tokens, axis=1), jnp.concatenate(scores, axis=1)
     parents, depths = jnp.concatenate(parents, axis=1), jnp.concatenate(depths, axis=1)
-    _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)  # the best N; a parent outranks its children
-    chosen = jnp.sort(chosen, axis=1)  # candidate order: parents before children
+    _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)  # the best N, best first: a parent outranks its children
     rows = jnp.arange(batch)[:, None]
     renumber = jnp.full(tokens.shape, trees.ROOT, jnp.int32).at[rows, chosen].set(jnp.arange(nodes, dtype=jnp.int32))
     old_parents = jnp.take_along_axis(parents, chosen, axis=1)

@@ -117,7 +117,7 @@ class MedusaDrafter(DrafterBase):
         feature = jnp.where((emitted >= 1)[:, None], newest, last_feature)  # f32[B,H] of token n - 2
         logits = medusa_logits(self.config, params, ctx.target, ctx.target_params, feature)  # f32[K,B,Vo]
         if self.tree is not None:
-            return self._static_tree(params, logits, ctx), feature
+            return self._static_tree(params, logits, ctx, gamma), feature
 
         def next_head(carry, token, step):  # every head's logits are known: nothing is fed
             return jax.lax.dynamic_index_in_dim(logits, step + 1, keepdims=False), carry
@@ -126,15 +126,19 @@ class MedusaDrafter(DrafterBase):
                                  params.get("vocab_map"))
         return proposal._replace(num_draft=jnp.where(ctx.num_tokens >= 2, proposal.num_draft, 0)), feature
 
-    def _static_tree(self, params, logits: jax.Array, ctx: DraftContext) -> Proposal:
-        """The static tree's nodes: node (r_1 .. r_d) is head d's r_d-th most likely token."""
+    def _static_tree(self, params, logits: jax.Array, ctx: DraftContext, nodes: int) -> Proposal:
+        """The first ``nodes`` nodes of the static tree (ordered by depth, so every prefix is a tree):
+        node (r_1 .. r_d) is head d's r_d-th most likely token."""
         shape = self.tree
         choices = shape.choices or trees.default_choices(shape.nodes, shape.depth, shape.topk)
-        parents, depth, rank = trees.static_tree(choices)
+        batch = logits.shape[1]
+        if nodes == 0:  # a round without speculation
+            return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None,
+                            jnp.zeros((batch, 0), jnp.int32))
+        parents, depth, rank = (a[:nodes] for a in trees.static_tree(choices))
         _, ids = jax.lax.top_k(logits[: int(depth.max())], int(rank.max()) + 1)  # i32[D,B,k]
         tokens = ids[depth - 1, :, rank].T  # i32[B,N]
         if "vocab_map" in params:
             tokens = params["vocab_map"][tokens]
-        batch = tokens.shape[0]
         count = jnp.where(ctx.num_tokens >= 2, len(parents), 0).astype(jnp.int32)
         return Proposal(tokens.astype(jnp.int32), count, None, jnp.broadcast_to(jnp.asarray(parents), (batch, len(parents))))

@@ -11,8 +11,11 @@ With a `TreeShape` (`--tree-topk K --tree-depth D --tree-nodes N`) it proposes a
 trie: the K best continuation starts (longest suffix match first, then the
 preferred end; a start whose continuation adds nothing to the chosen ones',
 being a prefix of one, is skipped), each continued for up to D tokens, merged
-where their prefixes agree (one node per distinct prefix), breadth first, the
-first N nodes kept. K = 1 is the chain.
+where their prefixes agree (one node per distinct prefix), the best match's
+continuation first, then each next match's new nodes, the first N nodes kept:
+every prefix of the nodes is a trie (what a shape policy verifies when it
+truncates the tree, `engine.shape`), and the first D are the chain. K = 1 is
+the chain.
 """
 
 from __future__ import annotations
@@ -136,8 +139,8 @@ class NgramDrafter(DrafterBase):
         first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B,K,D] the first match sharing that prefix
         keep = present & (first == jnp.arange(k)[None, :, None])
         parent = jnp.concatenate([jnp.full((batch, k, 1), trees.ROOT, jnp.int32),
-                                  (offset[:, :, :-1] * k + first[:, :, :-1]).astype(jnp.int32)], axis=2)
-        flat = lambda x: x.transpose(0, 2, 1).reshape(batch, depth * k)  # noqa: E731  node d * K + m, breadth first
+                                  (first[:, :, :-1] * depth + offset[:, :, :-1]).astype(jnp.int32)], axis=2)
+        flat = lambda x: x.reshape(batch, k * depth)  # noqa: E731  node m * D + d: the best match's chain first
         drafts, parents, count = trees.compact(flat(cont), flat(parent), flat(keep))
         pad = max(0, nodes - depth * k)
         drafts = jnp.pad(drafts, ((0, 0), (0, pad)))[:, :nodes]

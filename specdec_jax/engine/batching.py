@@ -72,7 +72,7 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
         target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
         if spec.record_top_k else None,
-        acceptance=None if spec.policy is None else jnp.full((batch, spec.gamma), spec.policy.prior, jnp.float32),
+        acceptance=None if spec.policy is None else spec.policy.initial(batch),
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)
@@ -117,7 +117,8 @@ def prepare(
             raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
         if gamma not in (None, AUTO):
             raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
-        gamma = max(AUTO_GAMMAS) if policy is None else policy.max_gamma
+        tree = getattr(drafter, "tree", None)
+        gamma = policy.max_gamma if policy is not None else max(AUTO_GAMMAS) if tree is None else tree.nodes
     elif gamma is None:
         gamma = 0
     prompts = [list(map(int, p)) for p in prompts]
@@ -131,6 +132,9 @@ def prepare(
     capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
     if auto and policy is None:
         policy = shape_policy(target, drafter, batch, capacity)
+    if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
+        raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
+                         "drafter one over chain lengths")
     padded = np.zeros((batch, prompt_bucket(longest)), np.int32)
     lens = np.ones((batch,), np.int32)
     for b, p in enumerate(prompts):
@@ -159,14 +163,11 @@ def prepare(
 
 
 def _tree_gamma(drafter: Drafter | None, gamma, policy):
-    """A tree drafter's G is its node count (``gamma`` None or equal to it; 0 is plain decoding);
-    the shape policy does not choose tree sizes yet."""
+    """A tree drafter's G is its node count (``gamma`` None or equal to it; 0 is plain decoding), or
+    "auto" (or a policy): each round verifies one of `tree_sizes` of its nodes (`engine.shape`)."""
     shape = getattr(drafter, "tree", None)
-    if shape is None:
+    if shape is None or policy is not None or gamma == AUTO:
         return gamma
-    if policy is not None or gamma == AUTO:
-        raise ValueError("gamma 'auto' does not choose token-tree sizes yet: run the tree at its fixed size "
-                         "(leave gamma unset), or use the drafter as a chain")
     if gamma not in (None, 0, shape.nodes):
         raise ValueError(f"the {drafter.name} drafter proposes a tree of {shape.nodes} nodes; gamma = {gamma} "
                          f"must be left unset or equal {shape.nodes}")

@@ -31,6 +31,20 @@ from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.target import chain_positions, resolve_target
 
 AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
+AUTO_TREE_SIZES = (1, 2, 4, 8, 16)  # node counts `gamma="auto"` verifies of a tree drafter's nodes (below N)
+
+
+def tree_sizes(nodes: int) -> tuple[int, ...]:
+    """The node counts a shape policy chooses among for a tree of ``nodes`` nodes: 0 (plain
+    decoding), the `AUTO_TREE_SIZES` below ``nodes``, and ``nodes``."""
+    return tuple(sorted({0, nodes, *(n for n in AUTO_TREE_SIZES if n < nodes)}))
+
+
+def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
+    """``(gammas, tree)`` that gamma "auto" chooses among for ``drafter``: `AUTO_GAMMAS` for a chain,
+    `tree_sizes` of its node count for a tree drafter (tree True)."""
+    shape = getattr(drafter, "tree", None)
+    return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
 CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
 
 
@@ -83,9 +97,11 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     return median_time_fed_back(lambda state: step(run.params, state), state, repeats)
 
 
-def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS) -> dict:
+def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False) -> dict:
     """Seconds of T1, of the verify pass at g + 1 and of drafting g tokens for each g of gammas, on a
-    batch of `batch` rows of CALIBRATION_PROMPT tokens at KV capacity `capacity`."""
+    batch of `batch` rows of CALIBRATION_PROMPT tokens at KV capacity `capacity`. A tree (``tree``:
+    gammas are node counts) is drafted whole or not at all (`engine.shape`): each g > 0 costs
+    drafting the whole tree."""
     from specdec_jax.engine.batching import prepare
 
     model, _ = resolve_target(target)
@@ -94,17 +110,23 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     prompts = rng.integers(0, model.vocab_size, (batch, length)).tolist()
     run = prepare(target, prompts, drafter, gamma=max(gammas), max_new_tokens=1, capacity=capacity)
     verify = [time_target_pass(run, g + 1) for g in gammas]
-    draft = [time_draft_step(run, g) for g in gammas]
+    if tree:
+        whole = time_draft_step(run, max(gammas))
+        draft = [time_draft_step(run, 0)] + [whole] * (len(gammas) - 1)
+    else:
+        draft = [time_draft_step(run, g) for g in gammas]
     return {"T1": verify[0], "verify_s": verify, "draft_s": draft, "gammas": list(gammas)}
 
 
-def shape_policy(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, refresh: bool = False,
+def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False,
                  **estimator) -> ShapePolicy:
-    """The `ShapePolicy` of `gammas` with costs measured on this device (read from the disk cache
-    unless `refresh`); `estimator`: ShapePolicy's prior / learn / relax."""
+    """The `ShapePolicy` of `gammas` (default `auto_shapes`; for a tree drafter, node counts) with
+    costs measured on this device (read from the disk cache unless `refresh`); `estimator`:
+    ShapePolicy's prior / learn / relax / follow."""
     from specdec_jax.models.fetch import cache_dir
 
-    gammas = tuple(sorted({0, *map(int, gammas)}))
+    default, tree = auto_shapes(drafter)
+    gammas = tuple(sorted({0, *map(int, default if gammas is None else gammas)}))
     capacity = 1 << (capacity - 1).bit_length()  # one calibration per power-of-two capacity
     key = calibration_key(target, drafter, batch, capacity, gammas)
     path = cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
@@ -115,12 +137,12 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS,
     if costs is None:
         print(f"calibrating shapes {list(gammas)} on {jax.devices()[0].device_kind} (batch {batch}, capacity "
               f"{capacity}; cached in {path.parent})", flush=True)
-        costs = measure_costs(target, drafter, batch, capacity, gammas)
+        costs = measure_costs(target, drafter, batch, capacity, gammas, tree)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
         tmp.replace(path)
-    return policy_from_costs(costs, **estimator)
+    return policy_from_costs(costs, tree=tree, **estimator)
 
 
 def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:

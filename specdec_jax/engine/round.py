@@ -82,15 +82,16 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
-        verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted)
+        usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
+        verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted, usable)
         num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
     return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
 
 
 def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, ctx: DraftContext,
                     index: jax.Array):
-    """The drafter's proposal at policy.gammas[index] (a `lax.switch`), padded to G drafts and to
-    the structure of a G-draft proposal."""
+    """The drafter's proposal at policy.gammas[index] (a `lax.switch` over `shape.draft_options`),
+    padded to G drafts and to the structure of a G-draft proposal."""
     def at(gamma: int):
         def run(drafter_state):
             proposal, drafter_state = spec.drafter.propose(params.drafter, drafter_state, ctx, gamma)
@@ -98,18 +99,24 @@ def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, 
         return run
 
     full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], state.drafter_state)
-    return jax.lax.switch(index, [at(g) for g in spec.policy.gammas], state.drafter_state)
+    options = shape.draft_options(spec.policy)
+    branch = jnp.searchsorted(jnp.asarray(options), jnp.asarray(spec.policy.gammas)[index])
+    return jax.lax.switch(branch, [at(g) for g in options], state.drafter_state)
 
 
 def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
-    """`proposal` with drafts (and laws, zeros where none were drawn) widened to like's G columns."""
+    """`proposal` with drafts (and laws, zeros where none were drawn; tree parents, the root where
+    there are no nodes) widened to like's G columns."""
     pad = like.drafts.shape[1] - proposal.drafts.shape[1]
     drafts = jnp.pad(proposal.drafts, ((0, 0), (0, pad)))
-    probs = None
+    probs = parents = None
     if like.probs is not None:
         probs = (jnp.zeros(like.probs.shape, like.probs.dtype) if proposal.probs is None
                  else jnp.pad(proposal.probs, ((0, 0), (0, pad), (0, 0))))
-    return Proposal(drafts.astype(like.drafts.dtype), proposal.num_draft.astype(jnp.int32), probs)
+    if like.parents is not None:
+        parents = (jnp.full(like.parents.shape, tree.ROOT, jnp.int32) if proposal.parents is None
+                   else jnp.pad(proposal.parents, ((0, 0), (0, pad)), constant_values=tree.ROOT))
+    return Proposal(drafts.astype(like.drafts.dtype), proposal.num_draft.astype(jnp.int32), probs, parents)
 
 
 def target_pass(spec: EngineSpec, target_params, state: DecodeState):
@@ -220,7 +227,8 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         outcome = RoundOutcome(n_emit=n_emit, n_accepted=n_accepted, num_tokens=num_tokens, features=hidden)
         drafter_state = spec.drafter.commit(params.drafter, drafter_state, outcome)
     if spec.policy is not None:
-        acceptance = shape.update(spec.policy, acceptance, live, state.proposal.num_draft, result.n_accepted)
+        acceptance = shape.update(spec.policy, acceptance, live, state.proposal.num_draft, result.n_accepted,
+                                  result.path)
     return state.replace(
         tokens=state.tokens.at[rows, index].set(result.tokens, mode="drop"),
         num_tokens=num_tokens,

@@ -31,6 +31,22 @@ Each round, on device:
    acceptance tends to grow with depth: a copy that started goes on), so a row
    that accepts well is soon offered a longer chain.
 
+A token tree is just another shape (`tree=True`, DESIGN section 10): gammas
+are node counts, and a tree drafter orders its nodes so that every prefix is
+itself a tree (parents come first) and the drafter's best tree of that size
+(EAGLE-2's N best by score; the n-gram trie's best match first), so verifying
+n < N nodes is truncating the proposal. The estimate is then per node index,
+``acceptance f32[B,N]`` = P(node i lies on the accepted path), and
+
+    E(n) = 1 + p_1 + ... + p_n,
+
+for a chain the same sum (p_i = a_1 ... a_i). Observed nodes (the verified
+prefix) move toward 0/1 (on the path or not); an unobserved node drifts toward
+the node before it (weight `follow`): a conservative guess would never try a
+wider tree again. The tree is grown whole or not at all (its drafting cost
+hardly depends on how many of its nodes are kept), so step 1 chooses between
+gamma 0 and N: N if some verify size pays for the whole tree's drafting.
+
 The choice depends only on earlier rounds, so stochastic verification stays
 exact: each round preserves the target's law whatever its shape.
 """
@@ -56,6 +72,7 @@ class ShapePolicy:
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
+    tree: bool = False  # gammas are token-tree node counts; acceptance is per node (module docstring)
 
     def __post_init__(self):
         gammas = tuple(int(g) for g in self.gammas)
@@ -80,17 +97,31 @@ class ShapePolicy:
     def free_drafts(self) -> bool:
         return self.draft_cost[-1] <= FREE_DRAFTS
 
+    def initial(self, batch: int) -> jax.Array:
+        """f32[B,G]: the estimates before any round: `prior` per position of a chain; a tree's node
+        i gets prior^(i+1), a chain's marginal (every node prior would verify whole trees first)."""
+        if not self.tree:
+            return jnp.full((batch, self.max_gamma), self.prior, jnp.float32)
+        marginal = self.prior ** jnp.arange(1, self.max_gamma + 1, dtype=jnp.float32)
+        return jnp.broadcast_to(marginal, (batch, self.max_gamma))
 
-def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, ...]) -> jax.Array:
-    """f32[B,S]: E_row(min(gammas[s], limit[b])) for acceptance f32[B,G] and limit i32[B]."""
-    reach = jnp.cumprod(acceptance, axis=1)  # P(drafts 1..i all accepted)
+
+def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, ...], tree: bool = False,
+                    usable: jax.Array | None = None) -> jax.Array:
+    """f32[B,S]: E_row(min(gammas[s], limit[b])) for acceptance f32[B,G] (a chain's conditional
+    acceptances, or with ``tree`` each node's chance to be on the accepted path) and limit i32[B];
+    ``usable`` bool[B,G]: the tree nodes that can be accepted (within the row's room)."""
+    reach = acceptance if tree else jnp.cumprod(acceptance, axis=1)  # P(draft / node i accepted)
+    if usable is not None:
+        reach = jnp.where(usable, reach, 0.0)
     accepted = jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=1)], axis=1)  # [B,G+1]
     drafts = jnp.minimum(jnp.asarray(gammas, jnp.int32)[None, :], jnp.maximum(limit, 0)[:, None])
     return 1.0 + jnp.take_along_axis(accepted, drafts, axis=1)
 
 
-def _best(policy: ShapePolicy, acceptance, live, limit, draft_cost, allowed=None) -> jax.Array:
-    tokens = jnp.sum(jnp.where(live[:, None], expected_tokens(acceptance, limit, policy.gammas), 0.0), axis=0)
+def _best(policy: ShapePolicy, acceptance, live, limit, draft_cost, allowed=None, usable=None) -> jax.Array:
+    tokens = expected_tokens(acceptance, limit, policy.gammas, policy.tree, usable)
+    tokens = jnp.sum(jnp.where(live[:, None], tokens, 0.0), axis=0)
     rate = tokens / (draft_cost + jnp.asarray(policy.verify_cost, jnp.float32))
     if allowed is not None:
         rate = jnp.where(allowed, rate, -jnp.inf)
@@ -101,25 +132,43 @@ def choose_draft(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, ro
     """i32[]: index into gammas of the proposal to draw (step 1 of the module docstring)."""
     if policy.free_drafts:
         return jnp.asarray(len(policy.gammas) - 1, jnp.int32)
+    if policy.tree:  # grown whole (if any verify size pays for it) or not at all; room bounds depth, not nodes
+        whole = jnp.where(jnp.arange(len(policy.gammas)) > 0, policy.draft_cost[-1], 0.0)
+        best = _best(policy, acceptance, live, jnp.where(room > 0, policy.max_gamma, 0), whole)
+        return jnp.where(best > 0, len(policy.gammas) - 1, 0).astype(jnp.int32)
     return _best(policy, acceptance, live, room, jnp.asarray(policy.draft_cost, jnp.float32))
 
 
+def draft_options(policy: ShapePolicy) -> tuple[int, ...]:
+    """The proposal sizes `choose_draft` can pick: every gamma, or a tree's 0 and N."""
+    return (0, policy.max_gamma) if policy.tree else policy.gammas
+
+
 def choose_verify(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
-                  drafted: jax.Array) -> jax.Array:
-    """i32[]: index into gammas of the verify shape, at most ``drafted`` (step 2)."""
+                  drafted: jax.Array, usable: jax.Array | None = None) -> jax.Array:
+    """i32[]: index into gammas of the verify shape, at most ``drafted`` (step 2); ``usable``
+    bool[B,G]: a tree's nodes that lie within the row's room."""
     sunk = jnp.asarray(policy.draft_cost, jnp.float32)[drafted]
     allowed = jnp.arange(len(policy.gammas)) <= drafted
-    return _best(policy, acceptance, live, num_draft, sunk, allowed)
+    return _best(policy, acceptance, live, num_draft, sunk, allowed, usable)
 
 
 def update(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
-           n_accepted: jax.Array) -> jax.Array:
+           n_accepted: jax.Array, path: jax.Array | None = None) -> jax.Array:
     """f32[B,G]: estimates after a round in which each row verified num_draft drafts and accepted
-    the first n_accepted (step 3): positions 1..min(n_accepted + 1, num_draft) were observed."""
+    the first n_accepted (step 3): positions 1..min(n_accepted + 1, num_draft) were observed. A
+    tree (``path`` i32[B,G], the accepted nodes, -1 past them) observed every verified node."""
     position = jnp.arange(acceptance.shape[1])[None, :]
-    observed = live[:, None] & (position < num_draft[:, None]) & (position <= n_accepted[:, None])
-    outcome = (position < n_accepted[:, None]).astype(acceptance.dtype)
+    verified = live[:, None] & (position < num_draft[:, None])
+    if policy.tree:
+        observed = verified
+        outcome = jnp.any(path[:, :, None] == position[:, None, :], axis=1).astype(acceptance.dtype)
+    else:
+        observed = verified & (position <= n_accepted[:, None])
+        outcome = (position < n_accepted[:, None]).astype(acceptance.dtype)
     learned = jnp.where(observed, acceptance + policy.learn * (outcome - acceptance), acceptance)
-    above = jnp.maximum(jnp.concatenate([jnp.zeros_like(learned[:, :1]), learned[:, :-1]], axis=1), policy.prior)
+    above = jnp.concatenate([jnp.full_like(learned[:, :1], policy.prior), learned[:, :-1]], axis=1)
+    if not policy.tree:
+        above = jnp.maximum(above, policy.prior)
     rate = jnp.where(position == 0, policy.relax, policy.follow)
     return jnp.where(observed, learned, acceptance + rate * (above - acceptance))
