@@ -177,3 +177,47 @@ def test_extra_text_adds_teacher_forced_training_windows_only(root, tmp_path, mo
     np.testing.assert_array_equal(np.load(tmp_path / "run" / "data" / "heldout.npz")["tokens"], held_plain["tokens"])
     with pytest.raises(ValueError, match="needs kind eagle or medusa"):
         tiny_config(root, extra_text="chitchat", extra_examples=2)
+
+
+# ---------------------------------------------------------------- EAGLE-3's training-time test (ttt_steps)
+
+def test_training_time_test_steps_are_what_drafting_computes():
+    """Step t of the unrolled loss at position j equals draft t + 1 of the drafting path: the head's
+    cache filled with the real context up to j - t, then its own outputs fed back t times (the
+    tokens teacher-forced); a wrong visibility (step 0 up to j, or the whole of earlier steps) fails."""
+    import jax.numpy as jnp
+
+    from specdec_jax.distill.kinds import unrolled_outputs
+    from specdec_jax.drafters.eagle import head_pass
+    from specdec_jax.models.llama import LlamaTarget
+
+    cfg = H.target().config
+    head = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    target = LlamaTarget(cfg)
+    params = {**init_eagle(head, jax.random.key(3)), "target": {"embed": H.target().model.arrays()["embed"]}}
+    rng = np.random.default_rng(0)
+    width, steps = 12, 3
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
+    inputs = jnp.asarray(rng.standard_normal((1, width, cfg.hidden_size)), jnp.float32)
+    outputs = unrolled_outputs(head, target, params, tokens, inputs, steps)
+    for step in range(1, steps):
+        for j in range(step, width):
+            start = j - step  # the real context: positions 0 .. start
+            h, cache = head_pass(head, params, target, params["target"], tokens[:, : start + 1], inputs[:, : start + 1],
+                                 head.layer.init_cache(1, width), jnp.arange(start + 1)[None])
+            fed = h[:, -1]
+            for position in range(start + 1, j + 1):
+                h, cache = head_pass(head, params, target, params["target"], tokens[:, position : position + 1],
+                                     fed[:, None], cache.with_lengths(jnp.asarray([position])), jnp.asarray([[position]]))
+                fed = h[:, 0]
+            np.testing.assert_allclose(outputs[step][0, j], fed[0], rtol=2e-4, atol=2e-4, err_msg=f"step {step} j {j}")
+
+
+def test_training_time_test_trains_and_reports_later_drafts(root):
+    tc = tiny_config(root, kind="eagle", ttt_steps=2, ce_weight=1.0)
+    summary = train_draft(tc, f"{root}/eagle-ttt", progress=False)
+    log = log_of(pathlib.Path(f"{root}/eagle-ttt"))
+    assert summary["finished"] and np.mean([r["loss"] for r in log[-2:]]) < 0.9 * log[0]["loss"], log
+    assert {"agreement_step2", "agreement_step3"} <= set(summary["heldout"])
+    with pytest.raises(ValueError, match="ttt_steps .* is for kind eagle"):
+        tiny_config(root, kind="medusa", ttt_steps=1)

@@ -49,6 +49,7 @@ class TrainConfig:
     feature_noise: float = 0.1  # eagle: Gaussian noise on input features, relative to their RMS
     regression_weight: float = 1.0  # eagle: smooth-L1 feature regression (final-norm features only)
     ce_weight: float = 0.1  # eagle: cross-entropy against the target's law
+    ttt_steps: int = 0  # eagle: EAGLE-3's training-time test, k more steps on the head's own features
     # optimisation (AdamW, linear warmup then cosine decay, global-norm clipping)
     steps: int = 300
     batch_size: int = 16
@@ -90,6 +91,10 @@ class TrainConfig:
             raise ValueError(f"medusa_heads must be an int >= 1, got {self.medusa_heads!r}")
         if self.feature_noise < 0 or self.regression_weight < 0 or self.ce_weight < 0:
             raise ValueError("feature_noise, regression_weight and ce_weight must be >= 0")
+        if not isinstance(self.ttt_steps, int) or self.ttt_steps < 0:
+            raise ValueError(f"ttt_steps must be an int >= 0, got {self.ttt_steps!r}")
+        if self.ttt_steps and self.kind != "eagle":
+            raise ValueError("ttt_steps (the training-time test) is for kind eagle")
         if self.init not in ("target", "random"):
             raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
         if not self.learning_rate > 0 or self.weight_decay < 0 or not self.clip_norm > 0:

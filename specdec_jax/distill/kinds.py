@@ -88,6 +88,7 @@ class HeadSetup:
     noise: float = 0.0  # eagle: feature noise (relative to the features' RMS) while training
     regression_weight: float = 1.0
     ce_weight: float = 0.1
+    ttt_steps: int = 0  # eagle: EAGLE-3's training-time test, steps fed the head's own outputs
 
 
 class EagleKind:
@@ -97,6 +98,13 @@ class EagleKind:
     only) + ce_weight * cross-entropy of logits(h_j) against the target's law at j+1, over the
     windows' positions; input features get Gaussian noise while training (EAGLE's robustness to
     its own, imperfect features when drafting).
+
+    With ``ttt_steps`` k > 0, EAGLE-3's training-time test: k more steps, each fed the previous
+    step's outputs in place of the target's features (step t's input at j is its step t - 1
+    output at j - 1), so that step t at j is draft t + 1 of a chain whose real context ends at
+    j - t. Its query sees what drafting would have cached: step 0's keys at slots <= j - t and
+    its own chain's steps 1..t (`ttt_visible`). Each step has the targets of step 0; the loss is
+    the mean over steps, and ``agreement_step{t+1}`` is the agreement of draft t + 1.
     """
 
     name = "eagle"
@@ -113,7 +121,7 @@ class EagleKind:
         head = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, feature_layers=tc.feature_layers,
                            output_vocab_size=head_vocab(target, tc), rope_theta=cfg.rope_theta,
                            rms_norm_eps=cfg.rms_norm_eps, **widths)
-        return HeadSetup(head, LlamaTarget(cfg), tc.feature_noise, tc.regression_weight, tc.ce_weight)
+        return HeadSetup(head, LlamaTarget(cfg), tc.feature_noise, tc.regression_weight, tc.ce_weight, tc.ttt_steps)
 
     def init(self, setup, target, tc, vocab_map):
         arrays = init_eagle(setup.head, jax.random.key(tc.seed), target_head_rows(target), vocab_map)
@@ -131,11 +139,24 @@ class EagleKind:
             key = jax.random.fold_in(jax.random.key(0), batch["step"])
             rms = jnp.sqrt(jnp.mean(inputs * inputs, axis=-1, keepdims=True))
             inputs = inputs + setup.noise * rms * jax.random.normal(key, inputs.shape)
-        batch_size, width = tokens.shape[0], tokens.shape[1] - 1
-        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch_size, width))
-        h, _ = head_pass(cfg, params, target, params["target"], tokens[:, 1:], inputs[:, :-1],
-                         cfg.layer.init_cache(batch_size, width), positions)
-        logits = head_logits(cfg, params, target, params["target"], h)
+        width, losses, metrics = tokens.shape[1] - 1, [], {}
+        outputs = unrolled_outputs(cfg, target, params, tokens[:, 1:], inputs[:, :-1], setup.ttt_steps + 1)
+        for step, h in enumerate(outputs):
+            step_loss, step_metrics = self._step_loss(setup, params, batch, h, features,
+                                                      weight * (jnp.arange(width) >= step))
+            losses.append(step_loss)
+            if step == 0:
+                metrics.update(step_metrics)
+            else:
+                metrics[f"agreement_step{step + 1}"] = step_metrics["agreement"]
+        loss = sum(losses) / len(losses)
+        return loss, {"loss": loss, **metrics}
+
+    @staticmethod
+    def _step_loss(setup, params, batch, h, features, weight):
+        """(loss, metrics) of outputs ``h f32[B,S-1,H]`` (input j predicts position j + 1) under ``weight``."""
+        cfg = setup.head
+        logits = head_logits(cfg, params, setup.target, params["target"], h)
         ce, agree = top_k_ce(logits, params.get("vocab_map"), batch["top_ids"][:, 1:], batch["top_logp"][:, 1:],
                              cfg.vocab_size)
         total = jnp.maximum(weight.sum(), 1.0)
@@ -148,11 +169,43 @@ class EagleKind:
             regression = jnp.sum(smooth * weight) / total
             loss = loss + setup.regression_weight * regression
             metrics["regression"] = regression
-        return loss, {"loss": loss, **metrics}
+        return loss, metrics
 
     def export(self, out, setup, params, tokenizer, target_info, info):
         arrays = {k: v for k, v in params.items() if k != "target"}
         return save_head(out / "head", self.name, setup.head, arrays, target_info, info)
+
+
+def unrolled_outputs(cfg: EagleConfig, target, params, tokens: jax.Array, inputs: jax.Array,
+                     steps: int) -> list[jax.Array]:
+    """The head's outputs f32[B,S,H] at each of ``steps`` training-time-test steps (`EagleKind`)
+    over ``tokens i32[B,S]`` (token j + 1 of input j) and projected target features ``inputs
+    f32[B,S,H]``: step 0 is the teacher-forced pass; step t's output at j is what drafting
+    would compute as draft t + 1 after the real context up to j - t (valid for j >= t)."""
+    batch_size, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch_size, width))
+    cache, fed, outputs = cfg.layer.init_cache(batch_size, steps * width), inputs, []
+    for step in range(steps):
+        visible = None if step == 0 else jnp.broadcast_to(ttt_visible(width, step, steps),
+                                                          (batch_size, width, steps * width))
+        h, cache = head_pass(cfg, params, target, params["target"], tokens, fed,
+                             cache.with_lengths(jnp.full((batch_size,), step * width, jnp.int32)), positions,
+                             visible=visible)
+        outputs.append(h)
+        fed = jnp.pad(h[:, :-1], ((0, 0), (1, 0), (0, 0)))  # step t + 1's input at j: step t's output at j - 1
+    return outputs
+
+
+def ttt_visible(width: int, step: int, steps: int) -> np.ndarray:
+    """bool[S,steps*S]: what training-time-test step ``step`` >= 1 at position j sees in a cache of
+    ``steps`` blocks of ``width`` slots (block u holds step u's keys at slot u * width + position):
+    step 0 at positions <= j - step (the real context), and step u's key at j - step + u for
+    1 <= u <= step (its own chain; u = step is itself)."""
+    j = np.arange(width)[:, None]
+    block, position = np.divmod(np.arange(steps * width)[None, :], width)
+    real = (block == 0) & (position <= j - step)
+    chain = (block >= 1) & (block <= step) & (position == j - step + block)
+    return real | chain
 
 
 class MedusaKind:

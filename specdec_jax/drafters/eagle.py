@@ -139,14 +139,15 @@ def project(cfg: EagleConfig, params, features: jax.Array) -> jax.Array:
 
 def head_pass(cfg: EagleConfig, params, target: TargetModel, target_params, tokens: jax.Array,
               inputs: jax.Array, cache: KVCache, positions: jax.Array, block_mask: jax.Array | None = None,
-              defer_writes: bool = False) -> tuple[jax.Array, KVCache]:
+              defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """``(h f32[B,S,H], cache)``: the head over ``tokens i32[B,S]`` (token j + 1 of each input j) and
     ``inputs f32[B,S,H]`` (projected features or fed-back outputs) at slots ``cache.lengths + s``
-    (``block_mask`` and ``defer_writes`` as in `models.llama.run_layers`; deferred: the cache is
-    only read and returned unchanged)."""
+    (``block_mask``, ``defer_writes`` and ``visible`` as in `models.llama.run_layers`; deferred:
+    the cache is only read and returned unchanged)."""
     x = jnp.concatenate([target.embed(target_params, tokens).astype(jnp.float32), inputs], axis=-1)
     x = x @ params["fc"] + params["fc_bias"]
-    h, _, written = run_layers(cfg.layer, params, x, cache, positions, block_mask, defer_writes=defer_writes)
+    h, _, written = run_layers(cfg.layer, params, x, cache, positions, block_mask, defer_writes=defer_writes,
+                               visible=visible)
     return h, (cache if defer_writes else written)
 
 

@@ -287,23 +287,27 @@ def apply(
 
 def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, cache: KVCache,
                positions: jax.Array, block_mask: jax.Array | None = None, *,
-               defer_writes: bool = False) -> tuple[jax.Array, dict, KVCache | KVBlock]:
+               defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, dict, KVCache | KVBlock]:
     """The decoder layers over input states ``x: f32[B,S,H]`` (semantics of :func:`apply`).
 
     Returns ``(x after the last layer, {layer index: its residual stream f32[B,S,H]}, cache)``;
     with ``defer_writes`` the cache is only read and the block's keys/values come back as a
-    ``KVBlock`` instead (write them with ``cache.write_block``).
+    ``KVBlock`` instead (write them with ``cache.write_block``). ``visible bool[B,S,W]``
+    (written path only) replaces `visibility`: query s sees slot j of the cache, the block
+    included (an EAGLE-3 training-time-test step sees its own chain, `distill.kinds`).
     Also the body of a one-layer drafter head that feeds its own inputs (EAGLE).
     """
     batch, steps = x.shape[:2]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    if visible is not None and (defer_writes or block_mask is not None):
+        raise ValueError("visible replaces block_mask, on the written path only")
     if defer_writes:  # committed slots from the cache, the block's own tokens from the block
         visible = jnp.broadcast_to(jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None],
                                    (batch, steps, cache.capacity))
         own = jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask
         own = jnp.broadcast_to(own, (batch, steps, steps))
         new_k, new_v = [], []
-    else:
+    elif visible is None:
         visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
 
     def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
