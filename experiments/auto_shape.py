@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     parser.add_argument("--per-category", type=int, default=None,
                         help="prompts per category (default: 1 at batch 1, all 5 at larger batches)")
+    parser.add_argument("--ngram-min", type=int, default=None, help="the n-gram drafter's shortest match (default 2)")
     parser.add_argument("--tree-depth", type=int, default=8, help="depth of the t<N> and tauto trees")
     parser.add_argument("--tree-topk", type=int, default=2, help="top-k of the t<N> and tauto trees")
     parser.add_argument("--drafter", default="ngram")
@@ -70,14 +71,16 @@ def main(argv=None) -> int:
             for shape in args.shapes:
                 cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, batch_size=batch,
                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
+                                **({} if args.ngram_min is None else {"ngram_min": args.ngram_min}),
                                 **shape_fields(shape, args.tree_depth, args.tree_topk))
                 per_category = args.per_category if args.per_category else 1 if batch == 1 else None
                 report = bench(cfg, repeats=1, per_category=per_category)
                 tree = f"x{args.tree_depth}x{args.tree_topk}" if cfg.is_tree else ""
-                name = f"{args.drafter}_b{batch}_g{shape}{tree}"
+                name = f"{args.drafter}_b{batch}_g{shape}{tree}" + (f"_min{args.ngram_min}" if args.ngram_min else "")
                 (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
                 summary[name] = {
-                    "drafter": args.drafter, "batch_size": batch, "gamma": shape,
+                    "drafter": args.drafter, "batch_size": batch,
+                    "gamma": shape if args.ngram_min is None else f"{shape} min{args.ngram_min}",
                     "overall": {k: report["overall"][k] for k in ("speedup", "tokens_per_round", "tie_aware_equal",
                                                                   "verify_widths", "width_rounds", "prompts")},
                     "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}

@@ -164,6 +164,12 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
     assert len(saved) == 2 and all('"batch": ' in s["key"] for s in saved)
 
 
+def test_policy_costs_never_fall_with_the_shape():
+    costs = {"T1": 0.1, "verify_s": [0.1, 0.114, 0.102, 0.13], "draft_s": [0.0, 0.02, 0.01, 0.03], "gammas": [0, 1, 2, 4]}
+    p = calibration.policy_from_costs(costs)
+    assert p.verify_cost == pytest.approx((1.0, 1.14, 1.14, 1.3)) and p.draft_cost == pytest.approx((0.0, 0.2, 0.2, 0.3))
+
+
 def test_measured_costs_have_one_entry_per_shape():
     costs = calibration.measure_costs(H.target(), H.ngram(), 2, 64, (0, 1, 2))
     assert costs["gammas"] == [0, 1, 2] and len(costs["verify_s"]) == len(costs["draft_s"]) == 3

@@ -146,10 +146,13 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refres
 
 
 def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
-    """A ShapePolicy from `measure_costs`'s seconds (normalised by T1)."""
+    """A ShapePolicy from `measure_costs`'s seconds (normalised by T1), each made non-decreasing in
+    the shape: a wider pass or a longer proposal never costs less, and a timing that says so is
+    noise (seen here: a 3-token pass timed at 1.02 T1 beside a 2-token one at 1.14 T1, on a shared
+    machine), which would make the policy verify more drafts than pay."""
     t1 = costs["T1"]
-    return ShapePolicy(tuple(costs["gammas"]), tuple(t / t1 for t in costs["verify_s"]),
-                       tuple(t / t1 for t in costs["draft_s"]), **estimator)
+    monotone = lambda seconds: tuple(np.maximum.accumulate(np.asarray(seconds, float) / t1).tolist())  # noqa: E731
+    return ShapePolicy(tuple(costs["gammas"]), monotone(costs["verify_s"]), monotone(costs["draft_s"]), **estimator)
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
