@@ -213,6 +213,7 @@ def test_training_time_test_steps_are_what_drafting_computes():
             np.testing.assert_allclose(outputs[step][0, j], fed[0], rtol=2e-4, atol=2e-4, err_msg=f"step {step} j {j}")
 
 
+@pytest.mark.slow
 def test_training_time_test_trains_and_reports_later_drafts(root):
     tc = tiny_config(root, kind="eagle", ttt_steps=2, ce_weight=1.0)
     summary = train_draft(tc, f"{root}/eagle-ttt", progress=False)
