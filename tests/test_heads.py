@@ -196,7 +196,7 @@ def test_training_time_test_steps_are_what_drafting_computes():
     target = LlamaTarget(cfg)
     params = {**init_eagle(head, jax.random.key(3)), "target": {"embed": H.target().model.arrays()["embed"]}}
     rng = np.random.default_rng(0)
-    width, steps = 12, 3
+    width, steps = 7, 3
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
     inputs = jnp.asarray(rng.standard_normal((1, width, cfg.hidden_size)), jnp.float32)
     outputs = unrolled_outputs(head, target, params, tokens, inputs, steps)

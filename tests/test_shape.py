@@ -235,6 +235,7 @@ def test_auto_tree_sizes_are_lossless(name):
     assert sum(r > 0 for r in out.metrics.width_rounds) >= 3, out.metrics.width_rounds  # the size changed
 
 
+@pytest.mark.slow
 def test_auto_tree_of_the_target_itself_settles_on_its_widest_sizes():
     """The target as its own draft model, a top-2 tree of depth 3 with every candidate kept:
     the greedy path is in the whole tree, and 4 tokens a round come only from the widest sizes

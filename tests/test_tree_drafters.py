@@ -144,9 +144,9 @@ def test_a_smaller_tree_is_the_first_nodes_of_the_larger(kind):
     drafter = random_medusa() if kind == "medusa" else DYNAMIC[kind]()
     drafter = dataclasses.replace(drafter, tree=TreeShape(nodes=10, depth=3, topk=2))
     run = H.prepare(H.RAGGED, drafter, gamma=None, max_new_tokens=H.MAX_NEW)
-    for _ in range(2):
+    for _ in range(2):  # the first round, and one after a tree round was committed
         whole = jax.device_get(engine.draft_step(run.spec, run.params, run.state).proposal)
-        for n in (1, 4, 7):
+        for n in (3, 7):
             spec = dataclasses.replace(run.spec, gamma=n)
             part = jax.device_get(engine.draft_step(spec, run.params, run.state).proposal)
             np.testing.assert_array_equal(part.drafts, whole.drafts[:, :n])
