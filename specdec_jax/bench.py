@@ -81,14 +81,13 @@ def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capa
     shapes of this batch, timed as the loop runs them (`engine.calibration`).
 
     Fixed gamma: every round drafts gamma, D(w) = gamma Td. gamma "auto": the calibration the
-    shape policy decided with; a round verified at w = g + 1 drafted g tokens (a free drafter: G;
-    a tree drafter its whole tree, verified in part).
+    shape policy decided with (`engine.calibrated_costs`, cached on disk); a round verified at
+    w = g + 1 drafted g tokens (a free drafter: G; a tree drafter its whole tree, verified in part).
     """
     if gamma == engine.AUTO:
         batch = 1 << (len(prompts) - 1).bit_length()  # the engine's batch bucket
-        gammas, tree = engine.auto_shapes(drafter)
-        costs = engine.measure_costs(target, drafter, batch, capacity, gammas, tree)
-        policy = engine.policy_from_costs(costs, tree=tree)
+        costs = engine.calibrated_costs(target, drafter, batch, capacity)
+        policy = engine.policy_from_costs(costs, tree=costs["tree"])
         widest = policy.max_gamma
         draft = [costs["draft_s"][-1]] * len(policy.gammas) if policy.free_drafts else costs["draft_s"]
         return {"T1": costs["T1"], "Tv": costs["verify_s"][-1], "Td": costs["draft_s"][-1] / widest,

@@ -95,8 +95,9 @@ def test_cost_model_times_each_piece_with_donated_caches():
     assert (costs["T1"], costs["Tv"]) == tuple(costs["T_by_width"])
 
 
-def test_auto_cost_model_charges_each_width_its_own_drafting():
+def test_auto_cost_model_charges_each_width_its_own_drafting(tmp_path, monkeypatch):
     """gamma auto: the calibration's costs, one verify and one drafting cost per verify width."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # the calibration the run would have cached
     cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
     costs = bench_module.cost_model(H.target(), H.ngram(), "auto", [H.RAGGED[2]], 64, cfg)
     assert costs["verify_widths"] == [1, 2, 3, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 4

@@ -249,7 +249,7 @@ def solo_sampled(drafter: str, row: int, row_id: int) -> list[int]:
     return out.tokens[0]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("drafter", ["ngram", pytest.param("model", marks=pytest.mark.slow)])
 def test_mixed_batch_rows_equal_solo_runs(drafter):
     """Greedy rows 0 and 2 of a speculative batch equal plain greedy decoding (gamma 0) of their
     prompt alone, token for token; sampled rows 1 and 3 equal their prompt decoded alone

@@ -33,7 +33,7 @@ def tree_run(name: str):
     return generate(H.target(), H.RAGGED, TREES[name](), max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
 
 
-@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "decoy-oracle" else n for n in TREES])
 def test_greedy_tree_equals_plain_decoding(name):
     ref, out = H.reference(), tree_run(name)
     assert out.tokens == ref.tokens and out.stop_reasons == ref.stop_reasons
@@ -56,6 +56,7 @@ def test_a_dynamic_tree_of_the_target_itself_accepts_its_whole_depth():
     assert out.metrics.mean_accepted_length > 4.5
 
 
+@pytest.mark.slow  # CI time; the trie's branching is checked node by node in test_tree_drafters
 def test_trie_beats_the_chain_where_matches_branch():
     """On a prompt whose suffix recurs with different continuations, the trie's second branch
     is accepted where the chain's single (most recent) continuation fails."""

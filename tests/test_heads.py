@@ -69,7 +69,7 @@ def test_kill_and_resume_gives_the_uninterrupted_parameters(kind, root, tmp_path
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("medusa", marks=pytest.mark.slow)])
 def test_trained_head_loads_by_path_and_drafts_losslessly(kind, root, capsys):
     folder, summary = trained(kind, root)
     drafter = load_head(summary["draft"], kind=kind)
@@ -84,7 +84,7 @@ def test_trained_head_loads_by_path_and_drafts_losslessly(kind, root, capsys):
     assert code == 0 and "tokens/round" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [pytest.param("eagle", marks=pytest.mark.slow), "medusa"])
 def test_trained_head_drafts_a_lossless_tree_by_path_and_flags(kind, root, capsys, tmp_path):
     """EAGLE's dynamic tree and Medusa's static tree (a choices file through the CLI)."""
     folder, summary = trained(kind, root)

@@ -164,16 +164,73 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
     assert len(saved) == 2 and all('"batch": ' in s["key"] for s in saved)
 
 
-def test_policy_costs_never_fall_with_the_shape():
-    costs = {"T1": 0.1, "verify_s": [0.1, 0.114, 0.102, 0.13], "draft_s": [0.0, 0.02, 0.01, 0.03], "gammas": [0, 1, 2, 4]}
+def test_a_cheaper_wider_shape_is_kept_and_preferred():
+    """Measured here: at batch 4 a round verifying 2 drafts costs less than one verifying 1. The
+    policy keeps the costs as measured (never under a plain round) and so never verifies 1 draft
+    where it could verify 2 for less."""
+    costs = {"T1": 0.1, "verify_s": [0.1, 0.137, 0.125, 0.146], "draft_s": [0.0, 0.001, 0.001, 0.001],
+             "gammas": [0, 1, 2, 4]}
     p = calibration.policy_from_costs(costs)
-    assert p.verify_cost == pytest.approx((1.0, 1.14, 1.14, 1.3)) and p.draft_cost == pytest.approx((0.0, 0.2, 0.2, 0.3))
+    assert p.verify_cost == pytest.approx((1.0, 1.37, 1.25, 1.46)) and p.free_drafts
+    live, room = jnp.array([True]), jnp.array([4])
+    for a1 in (0.4, 0.6, 0.9):  # E(1) = E(2) = 1 + a1 when the second draft is hopeless
+        acceptance = jnp.array([[a1, 0.0, 0.0, 0.0]])
+        assert int(shape.choose_verify(p, acceptance, live, jnp.array([4]), jnp.array(3))) == 2, a1
+    below = calibration.policy_from_costs({**costs, "verify_s": [0.1, 0.09, 0.125, 0.146]})
+    assert below.verify_cost[1] == 1.0  # a round's rest never under a plain round
 
 
 def test_measured_costs_have_one_entry_per_shape():
     costs = calibration.measure_costs(H.target(), H.ngram(), 2, 64, (0, 1, 2))
     assert costs["gammas"] == [0, 1, 2] and len(costs["verify_s"]) == len(costs["draft_s"]) == 3
     assert costs["T1"] == costs["verify_s"][0] and min(costs["verify_s"]) > 0 and min(costs["draft_s"]) >= 0
+    assert len(costs["rounds"]) == 3 and min(costs["rounds"].values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["chain", "free", "tree"])
+def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
+    """verify_s[i] = R(d_i, i) - draft_s[d_i], with the rounds a program of that kind runs: a chain
+    drafts what it verifies, a free drafter always drafts G, a tree (12 nodes) is drafted whole."""
+    gammas = (0, 1, 2, 12) if kind == "tree" else (0, 1, 2, 4)
+    draft = {"chain": [0.0, 0.2, 0.3, 0.5], "free": [0.0, 0.001, 0.001, 0.001], "tree": [0.0, 0.4, 0.4, 0.4]}[kind]
+    timed = []
+
+    def rounds(run, pairs, repeats=7):  # R(d, v) = 1 + drafting gammas[d] + 0.1 v seconds
+        timed.append(list(pairs))
+        return [1.0 + draft[d] + 0.1 * v for d, v in pairs]
+
+    monkeypatch.setattr(calibration, "time_rounds", rounds)
+    monkeypatch.setattr(calibration, "time_draft_step", lambda run, g: draft[gammas.index(g)])
+    monkeypatch.setattr(calibration, "time_target_pass", lambda run, width: 1.0)
+    drafter = H.ngram_trie() if kind == "tree" else H.ngram()
+    costs = calibration.measure_costs(H.target(), drafter, 2, 64, gammas, tree=kind == "tree")
+    want_pairs = {"chain": [(0, 0), (1, 1), (2, 2), (3, 3)], "free": [(3, 0), (3, 1), (3, 2), (3, 3)],
+                  "tree": [(0, 0), (3, 1), (3, 2), (3, 3)]}[kind]
+    assert timed == [want_pairs]
+    assert costs["draft_s"] == pytest.approx(draft)
+    assert costs["verify_s"] == pytest.approx([1.0, 1.1, 1.2, 1.3]) and costs["T1"] == costs["verify_s"][0]
+    assert set(costs["rounds"]) == {f"{d},{v}" for d, v in want_pairs}
+    assert calibration.policy_from_costs(costs, tree=kind == "tree").free_drafts == (kind == "free")
+
+
+@pytest.mark.parametrize("name", ["ngram", "model"])
+def test_forced_shapes_verify_that_many_drafts_and_stay_lossless(name):
+    """`DecodeState.forced_shape`, what the calibration times: every live row verifies exactly the
+    forced count (capped by its room), drafts the drafter did not find being padding, and the
+    output is still plain decoding's."""
+    drafter = H.ngram() if name == "ngram" else H.model_drafter()
+    forced = policy((0.0, 0.3, 0.6, 1.2))
+    for d, v in [(3, 2), (3, 3), (1, 1), (0, 0)]:
+        run = engine.prepare(H.target(), H.RAGGED, drafter, policy=forced, max_new_tokens=H.MAX_NEW)
+        state = run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))
+        while not bool(state.done[: run.num_rows].all()):
+            room = np.asarray(engine.draft_room(run.spec, state))
+            state = engine.draft_step(run.spec, run.params, state)
+            np.testing.assert_array_equal(np.asarray(state.proposal.num_draft), np.minimum(room, GAMMAS[v]))
+            state = engine.verify_step(run.spec, run.params, state)
+        out = [np.asarray(state.tokens[b, n0:n]).tolist() for b, (n0, n) in
+               enumerate(zip(run.prompt_lens[: run.num_rows], np.asarray(state.num_tokens)))]
+        assert out == H.reference_no_eos().tokens, (d, v)
 
 
 TREE_SIZES = (0, 1, 2, 4, 7)

@@ -77,7 +77,7 @@ def test_penalty_fixture_differs_from_plain_greedy():
     assert len(changed) >= 2, changed
 
 
-@pytest.mark.parametrize("gamma", [0, 4], ids=["plain", "ngram-gamma4"])
+@pytest.mark.parametrize("gamma", [0, pytest.param(4, marks=pytest.mark.slow)], ids=["plain", "ngram-gamma4"])
 def test_repetition_penalty_matches_transformers(smollm2, gamma):
     """transformers' repetition penalty counts prompt and generated tokens; ours must too, and
     speculative decoding (penalties recomputed at every draft position) must keep the output."""

@@ -72,6 +72,7 @@ def test_sweep_writes_records_tables_and_plots(tmp_path):
     assert (out / "gamma.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # CI time: the sweep's loop is covered by test_sweep_writes_records_tables_and_plots
 def test_sweep_resumes_without_rerunning_finished_points(tmp_path, monkeypatch):
     path, out = write_sweep(tmp_path), tmp_path / "out"
     sweep(path, out, progress=False)
@@ -88,6 +89,7 @@ def test_sweep_resumes_without_rerunning_finished_points(tmp_path, monkeypatch):
     assert len(new) == 2 and json.loads(new[0]) == json.loads(lines[0]) and json.loads(new[-1])["outputs_sha256"] == json.loads(lines[1])["outputs_sha256"]
 
 
+@pytest.mark.slow
 def test_sweep_drops_compiled_programs_before_each_point(tmp_path, monkeypatch):
     """Compiled programs stay memory-mapped; without this a long sweep on SmolLM2 died of
     vm.max_map_count ("LLVM ERROR: Unable to allocate section memory") after a few points."""

@@ -136,7 +136,7 @@ def test_top1_dynamic_tree_is_the_greedy_chain_round_after_round(kind):
         assert drafted.proposal.parents.tolist() == [[-1, 0, 1, 2]] * 4
 
 
-@pytest.mark.parametrize("kind", [*DYNAMIC, "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", pytest.param("draft-model", marks=pytest.mark.slow), "medusa"])
 def test_a_smaller_tree_is_the_first_nodes_of_the_larger(kind):
     """propose(n) is the first n nodes of propose(N): EAGLE-2's n best are a prefix of its N best
     (best first), Medusa's static tree is ordered by depth; so truncating the tree, as a shape

@@ -17,8 +17,8 @@ same program runs partitioned; output reaches the host after the loop only.
 """
 
 from specdec_jax.engine.batching import AUTO, Prepared, default_capacity, prefill, prepare, prompt_bucket, validate
-from specdec_jax.engine.calibration import (AUTO_GAMMAS, auto_shapes, measure_costs, policy_from_costs, shape_policy,
-                                         tree_sizes)
+from specdec_jax.engine.calibration import (AUTO_GAMMAS, auto_shapes, calibrated_costs, measure_costs, policy_from_costs,
+                                         shape_policy, tree_sizes)
 from specdec_jax.engine.generation import generate
 from specdec_jax.engine.round import (
     accept,
@@ -49,7 +49,7 @@ from specdec_jax.engine.state import (
 
 __all__ = [
     "AUTO", "AUTO_GAMMAS", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams",
-    "EngineSpec", "ShapePolicy", "auto_shapes", "measure_costs", "policy_from_costs", "shape_policy", "tree_sizes",
+    "EngineSpec", "ShapePolicy", "auto_shapes", "calibrated_costs", "measure_costs", "policy_from_costs", "shape_policy", "tree_sizes",
     "GenerationResult", "Prepared", "accept", "accept_tree", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
     "target_law", "target_pass", "validate", "verify_step",

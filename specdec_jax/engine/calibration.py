@@ -1,17 +1,21 @@
 """The costs the shape policy decides with, measured on the running device (DESIGN sections 8 and 11).
 
-`measure_costs` times, on the shapes of a batch (batch size, KV capacity, the
-drafter's hidden layers), one target pass at each verify width g + 1 and the
-drafter's whole proposal of g tokens, for each g of `gammas`, the way the loop
-runs them: each jitted piece donates its caches (or the whole state), fed back
-from call to call, so no timing includes a copy. `shape_policy` turns them into
-a `engine.shape.ShapePolicy` (costs in units of T1) and caches them on disk,
-one JSON file per device, target, drafter, batch, capacity (rounded up to a
-power of two: attention over the slots is a small part of a step) and gammas,
-under `$SPECDEC_CACHE/calibration/`; `refresh=True` measures again.
+`measure_costs` times whole rounds of the shape policy's own program, each at
+one forced shape (`ShapePolicy.force`), on the shapes of a batch (batch size,
+KV capacity, the drafter's hidden layers), and splits each round's seconds into
+the drafter's proposal and the rest (target pass, law, acceptance, commit). It
+times them the way the loop runs them: each jitted round donates its state, so
+no timing includes a copy, and one program (the forced shape is loop state)
+serves every shape. `shape_policy` turns
+the costs into a `engine.shape.ShapePolicy` (units of T1, one plain round) and
+caches them on disk, one JSON file per device, target, drafter, batch,
+capacity (rounded up to a power of two: attention over the slots is a small
+part of a step) and gammas, under `$SPECDEC_CACHE/calibration/`;
+`refresh=True` measures again.
 
-Measuring takes a few seconds plus one compile per shape; the cache makes the
-next run free.
+`time_target_pass` and `time_draft_step` time the pieces alone (`bench`'s cost
+model for a fixed gamma). Measuring takes a few seconds plus one compile per
+shape; the cache makes the next run free.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.engine.shape import ShapePolicy
+from specdec_jax.engine.shape import FREE_DRAFTS, ShapePolicy
 from specdec_jax.target import chain_positions, resolve_target
 
 AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
@@ -97,32 +101,78 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     return median_time_fed_back(lambda state: step(run.params, state), state, repeats)
 
 
-def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False) -> dict:
-    """Seconds of T1, of the verify pass at g + 1 and of drafting g tokens for each g of gammas, on a
-    batch of `batch` rows of CALIBRATION_PROMPT tokens at KV capacity `capacity`. A tree (``tree``:
-    gammas are node counts) is drafted whole or not at all (`engine.shape`): each g > 0 costs
-    drafting the whole tree."""
+def time_rounds(run, shapes, repeats: int = 7) -> list[float]:
+    """Median seconds of one whole round (`draft_step` then `verify_step`, jitted together as the
+    loop's body) of ``run``'s batch (prepared with a shape policy) at each forced shape of
+    ``shapes``, (draft index, verify index) pairs (`DecodeState.forced_shape`: every live row
+    verifies that many drafts, found or not). One program serves every shape; every timed call
+    starts from a copy of the post-prefill state (copied before the clock starts) and donates it;
+    the shapes are timed in turn, so a change in the machine's load reaches all of them alike."""
+    from specdec_jax.engine.round import decode_round
+
+    step = jax.jit(functools.partial(decode_round, run.spec), donate_argnums=1)
+    fresh = lambda d, v: jax.block_until_ready(  # noqa: E731
+        jax.tree.map(jnp.copy, run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))))
+    jax.block_until_ready(step(run.params, fresh(0, 0)))  # compile and warm up
+    times = [[] for _ in shapes]
+    for _ in range(repeats):
+        for (d, v), samples in zip(shapes, times):
+            state = fresh(d, v)
+            start = time.perf_counter()
+            jax.block_until_ready(step(run.params, state))
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False,
+                  repeats: int = 7) -> dict:
+    """Seconds of T1, of each shape's round past its drafting and of that drafting, on a batch of
+    ``batch`` rows of CALIBRATION_PROMPT random tokens at KV capacity ``capacity``:
+
+    - draft_s[i]: the drafter's proposal of gammas[i] tokens (`time_draft_step`); a tree
+      (``tree``: gammas are node counts, drafted whole or not at all) costs its whole drafting for
+      every i > 0;
+    - verify_s[i] = R(d_i, i) - draft_s[d_i]: a whole round of the shape policy's own program
+      drafting gammas[d_i] and verifying gammas[i] (`time_rounds`), its drafting taken out, so
+      the rest of the round (target pass in its `lax.switch`, law, acceptance, commit, the
+      drafter's commit hook) is priced as the program runs it, not as a target pass alone.
+      d_i = i for a chain, G for a
+      tree; a free drafter (its proposal under FREE_DRAFTS of a target pass: the n-gram lookup)
+      always drafts G, so its rounds are R(G, i);
+    - T1 = verify_s[0], a plain decoding round.
+
+    ``rounds`` keeps every R(d, v) measured, by "d,v".
+    """
     from specdec_jax.engine.batching import prepare
 
     model, _ = resolve_target(target)
+    gammas, last = tuple(gammas), len(gammas) - 1
+    policy = lambda free: ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (0.0 if free else 1.0,) * last,  # noqa: E731
+                                      tree=tree)
     rng = np.random.default_rng(0)
     length = max(2, min(CALIBRATION_PROMPT, capacity - max(gammas) - 2))
     prompts = rng.integers(0, model.vocab_size, (batch, length)).tolist()
-    run = prepare(target, prompts, drafter, gamma=max(gammas), max_new_tokens=1, capacity=capacity)
-    verify = [time_target_pass(run, g + 1) for g in gammas]
+    run = prepare(target, prompts, drafter, policy=policy(False), max_new_tokens=max(gammas) + 2, capacity=capacity)
     if tree:
         whole = time_draft_step(run, max(gammas))
-        draft = [time_draft_step(run, 0)] + [whole] * (len(gammas) - 1)
+        draft = [time_draft_step(run, 0)] + [whole] * last
     else:
         draft = [time_draft_step(run, g) for g in gammas]
-    return {"T1": verify[0], "verify_s": verify, "draft_s": draft, "gammas": list(gammas)}
+    free = draft[-1] <= FREE_DRAFTS * time_target_pass(run, 1)
+    if free:  # the same batch under the program of a free drafter
+        run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, policy=policy(True)))
+        pairs = [(last, v) for v in range(last + 1)]
+    else:
+        pairs = [(0, 0)] + [(last if tree else v, v) for v in range(1, last + 1)]
+    rounds = time_rounds(run, pairs, repeats)
+    verify = [t - draft[d] for (d, _), t in zip(pairs, rounds)]
+    return {"T1": verify[0], "verify_s": verify, "draft_s": draft, "gammas": list(gammas),
+            "rounds": {f"{d},{v}": t for (d, v), t in zip(pairs, rounds)}}
 
 
-def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False,
-                 **estimator) -> ShapePolicy:
-    """The `ShapePolicy` of `gammas` (default `auto_shapes`; for a tree drafter, node counts) with
-    costs measured on this device (read from the disk cache unless `refresh`); `estimator`:
-    ShapePolicy's prior / learn / relax / follow."""
+def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False) -> dict:
+    """`measure_costs` of `gammas` (default `auto_shapes`; for a tree drafter, node counts), read
+    from the disk cache unless `refresh` (or measured and cached); adds ``tree``."""
     from specdec_jax.models.fetch import cache_dir
 
     default, tree = auto_shapes(drafter)
@@ -142,23 +192,35 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refres
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
         tmp.replace(path)
-    return policy_from_costs(costs, tree=tree, **estimator)
+    return {**costs, "tree": tree}
+
+
+def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False,
+                 **estimator) -> ShapePolicy:
+    """The `ShapePolicy` of `calibrated_costs` (this device's, cached on disk); `estimator`:
+    ShapePolicy's prior / learn / relax / follow."""
+    costs = calibrated_costs(target, drafter, batch, capacity, gammas, refresh)
+    return policy_from_costs(costs, tree=costs["tree"], **estimator)
 
 
 def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
-    """A ShapePolicy from `measure_costs`'s seconds (normalised by T1), each made non-decreasing in
-    the shape: a wider pass or a longer proposal never costs less, and a timing that says so is
-    noise (seen here: a 3-token pass timed at 1.02 T1 beside a 2-token one at 1.14 T1, on a shared
-    machine), which would make the policy verify more drafts than pay."""
+    """A ShapePolicy from `measure_costs`'s seconds, normalised by T1. A wider shape may cost less
+    than a narrower one and is then kept so (whole rounds at batch 4 on this CPU, three
+    calibrations alike: widths 1, 2, 3, 5 at 1.0, 1.34-1.39, 1.23-1.26, 1.46-1.47 T1): the
+    narrower shape is never the better choice and the policy skips it. No verify shape is priced
+    under one plain round, which a draft timing measured apart from its round could otherwise
+    imply."""
     t1 = costs["T1"]
-    monotone = lambda seconds: tuple(np.maximum.accumulate(np.asarray(seconds, float) / t1).tolist())  # noqa: E731
-    return ShapePolicy(tuple(costs["gammas"]), monotone(costs["verify_s"]), monotone(costs["draft_s"]), **estimator)
+    verify = tuple(np.maximum(np.asarray(costs["verify_s"], float) / t1, 1.0).tolist())
+    draft = tuple(np.maximum(np.asarray(costs["draft_s"], float) / t1, 0.0).tolist())
+    return ShapePolicy(tuple(costs["gammas"]), verify, draft, **estimator)
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
-    """What the costs depend on: device, target architecture, drafter, batch, capacity, gammas."""
+    """What the costs depend on: how they are measured, device, target architecture, drafter, batch,
+    capacity, gammas."""
     model, _ = resolve_target(target)
     device = jax.devices()[0]
-    return json.dumps({"device": f"{device.platform}:{device.device_kind}:{jax.device_count()}",
-                       "jax": jax.__version__, "target": repr(model), "drafter": repr(drafter), "batch": batch,
+    return json.dumps({"method": "whole rounds",
+                       "device": f"{device.platform}:{device.device_kind}:{jax.device_count()}", "jax": jax.__version__, "target": repr(model), "drafter": repr(drafter), "batch": batch,
                        "capacity": capacity, "gammas": list(gammas)})

@@ -63,7 +63,7 @@ def draft_room(spec: EngineSpec, state: DecodeState) -> jax.Array:
 def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """The drafter proposes up to gamma tokens per live row, capped by `draft_room` (a tree's
     nodes are capped by depth, in `accept`); with a shape policy, as many as the round's chosen
-    shapes allow (`engine.shape`)."""
+    shapes allow (`engine.shape`), or with ``state.forced_shape`` the forced ones."""
     if spec.gamma == 0:
         return state
     room = draft_room(spec, state)
@@ -73,8 +73,11 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
         target=spec.target,
     )
-    policy, live = spec.policy, ~state.done
-    drafted = None if policy is None else shape.choose_draft(policy, state.acceptance, live, room)
+    policy, live, forced = spec.policy, ~state.done, state.forced_shape
+    if policy is None or forced is not None:
+        drafted = None if policy is None else forced[0]
+    else:
+        drafted = shape.choose_draft(policy, state.acceptance, live, room)
     if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
     else:
@@ -83,8 +86,11 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
-        verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted, usable)
-        num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
+        if forced is None:
+            verified = shape.choose_verify(policy, state.acceptance, live, num_draft, drafted, usable)
+            num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
+        else:  # every live row verifies the forced count; drafts the drafter did not find are padding
+            num_draft = jnp.minimum(cap, jnp.asarray(policy.gammas, jnp.int32)[forced[1]])
     return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
 
 
