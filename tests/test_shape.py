@@ -172,7 +172,7 @@ def test_a_cheaper_wider_shape_is_kept_and_preferred():
              "gammas": [0, 1, 2, 4]}
     p = calibration.policy_from_costs(costs)
     assert p.verify_cost == pytest.approx((1.0, 1.37, 1.25, 1.46)) and p.free_drafts
-    live, room = jnp.array([True]), jnp.array([4])
+    live = jnp.array([True])
     for a1 in (0.4, 0.6, 0.9):  # E(1) = E(2) = 1 + a1 when the second draft is hopeless
         acceptance = jnp.array([[a1, 0.0, 0.0, 0.0]])
         assert int(shape.choose_verify(p, acceptance, live, jnp.array([4]), jnp.array(3))) == 2, a1

@@ -111,7 +111,7 @@ def time_rounds(run, shapes, repeats: int = 7) -> list[float]:
     from specdec_jax.engine.round import decode_round
 
     step = jax.jit(functools.partial(decode_round, run.spec), donate_argnums=1)
-    fresh = lambda d, v: jax.block_until_ready(  # noqa: E731
+    fresh = lambda d, v: jax.block_until_ready(
         jax.tree.map(jnp.copy, run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))))
     jax.block_until_ready(step(run.params, fresh(0, 0)))  # compile and warm up
     times = [[] for _ in shapes]
@@ -147,7 +147,7 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
 
     model, _ = resolve_target(target)
     gammas, last = tuple(gammas), len(gammas) - 1
-    policy = lambda free: ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (0.0 if free else 1.0,) * last,  # noqa: E731
+    policy = lambda free: ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (0.0 if free else 1.0,) * last,
                                       tree=tree)
     rng = np.random.default_rng(0)
     length = max(2, min(CALIBRATION_PROMPT, capacity - max(gammas) - 2))
