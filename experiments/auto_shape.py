@@ -14,6 +14,7 @@ of N nodes (``t16``) or ``tauto`` (`--tree-nodes auto`), the trees of
 
     python experiments/auto_shape.py                                # batch 1, shapes 1 2 4 auto
     python experiments/auto_shape.py --batch-sizes 4 16 32 --shapes 4 auto --per-category 2
+    python experiments/auto_shape.py --batch-sizes 16 32 --shapes 4 auto --per-category 3 --max-prompt-tokens 1024
     python experiments/auto_shape.py --shapes 4 auto t16 tauto --tree-depth 8 --tree-topk 2
 """
 
@@ -60,6 +61,10 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and shape (medians)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="only prompts of at most this many tokens (chat template included): large batches of "
+                             "the 4k-token rag prompts take most of an hour each on a 2-core CPU")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +72,8 @@ def main(argv=None) -> int:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
         prompts = heldout_prompts_file(pathlib.Path(folder))
+        if args.max_prompt_tokens:
+            prompts = shorter_prompts(prompts, args.max_prompt_tokens)
         for batch in args.batch_sizes:
             for shape in args.shapes:
                 cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, batch_size=batch,
@@ -74,7 +81,7 @@ def main(argv=None) -> int:
                                 **({} if args.ngram_min is None else {"ngram_min": args.ngram_min}),
                                 **shape_fields(shape, args.tree_depth, args.tree_topk))
                 per_category = args.per_category if args.per_category else 1 if batch == 1 else None
-                report = bench(cfg, repeats=1, per_category=per_category)
+                report = bench(cfg, repeats=args.repeats, per_category=per_category)
                 tree = f"x{args.tree_depth}x{args.tree_topk}" if cfg.is_tree else ""
                 name = f"{args.drafter}_b{batch}_g{shape}{tree}" + (f"_min{args.ngram_min}" if args.ngram_min else "")
                 (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
@@ -90,6 +97,21 @@ def main(argv=None) -> int:
     plot(summary, args.out / "auto_shape.png")
     print(table(summary))
     return 0
+
+
+def shorter_prompts(path: pathlib.Path, most: int) -> pathlib.Path:
+    """The prompts file at `path` less the prompts over `most` tokens (chat template included)."""
+    from specdec_jax.data import load_prompts_file
+    from specdec_jax.models import load_model
+    from specdec_jax.runner import encode
+
+    tok = load_model("smollm2-135m").tokenizer
+    keep = {r["id"] for r in load_prompts_file(path) if len(encode(tok, r["prompt"], False)) <= most}
+    lines = [line for line in path.read_text().splitlines() if json.loads(line)["question_id"] in keep]
+    print(f"{len(lines)} prompts of at most {most} tokens", flush=True)
+    out = path.with_name(f"prompts_under_{most}.jsonl")
+    out.write_text("\n".join(lines))
+    return out
 
 
 def label(shape: str) -> str:

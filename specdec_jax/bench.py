@@ -81,17 +81,19 @@ def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capa
     shapes of this batch, timed as the loop runs them (`engine.calibration`).
 
     Fixed gamma: every round drafts gamma, D(w) = gamma Td. gamma "auto": the calibration the
-    shape policy decided with (`engine.calibrated_costs`, cached on disk); a round verified at
-    w = g + 1 drafted g tokens (a free drafter: G; a tree drafter its whole tree, verified in part).
+    shape policy decided with (`engine.calibrated_costs`, cached on disk; T1 is then a plain round
+    of the policy's program, a free drafter's lookup included); a round verified at w = g + 1
+    drafted g tokens (a free drafter: G; a tree drafter its whole tree, verified in part).
     """
     if gamma == engine.AUTO:
         batch = 1 << (len(prompts) - 1).bit_length()  # the engine's batch bucket
         costs = engine.calibrated_costs(target, drafter, batch, capacity)
-        policy = engine.policy_from_costs(costs, tree=costs["tree"])
-        widest = policy.max_gamma
-        draft = [costs["draft_s"][-1]] * len(policy.gammas) if policy.free_drafts else costs["draft_s"]
-        return {"T1": costs["T1"], "Tv": costs["verify_s"][-1], "Td": costs["draft_s"][-1] / widest,
-                "verify_widths": [g + 1 for g in policy.gammas], "T_by_width": costs["verify_s"], "D_by_width": draft}
+        policy = engine.policy_from_costs(costs, tree=costs["tree"])  # the seconds it decided with
+        verify = [c * costs["T1"] for c in policy.verify_cost]
+        draft = [c * costs["T1"] for c in policy.draft_cost]
+        draft = [draft[-1]] * len(draft) if policy.free_drafts else draft
+        return {"T1": costs["T1"], "Tv": verify[-1], "Td": draft[-1] / policy.max_gamma,
+                "verify_widths": [g + 1 for g in policy.gammas], "T_by_width": verify, "D_by_width": draft}
     run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
                          max_new_tokens=cfg.max_new_tokens, capacity=capacity)
     widths = run.spec.verify_widths

@@ -57,7 +57,8 @@ AXES = (DATA, MODEL)
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., in, out]: out on `model`
 ROW_PARALLEL = ("wo", "w_down")  # [.., in, out]: in on `model`
-UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds")  # Counters fields without a batch axis
+# state fields without a batch axis: Counters' per-position and per-width counts, a calibration's forced shape
+UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds", "forced_shape")
 
 _MESH_TEXT = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
 

@@ -96,8 +96,15 @@ def test_cost_model_times_each_piece_with_donated_caches():
 
 
 def test_auto_cost_model_charges_each_width_its_own_drafting(tmp_path, monkeypatch):
-    """gamma auto: the calibration's costs, one verify and one drafting cost per verify width."""
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # the calibration the run would have cached
+    """gamma auto: the calibration the run decided with (read from its cache, not measured again),
+    one verify and one drafting cost per verify width."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    engine.generate(H.target(), [H.RAGGED[2]], H.ngram(), gamma="auto", max_new_tokens=NEW, capacity=64)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("the bench measured the costs again instead of reading the run's calibration")
+
+    monkeypatch.setattr(engine.calibration, "measure_costs", measured_again)
     cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
     costs = bench_module.cost_model(H.target(), H.ngram(), "auto", [H.RAGGED[2]], 64, cfg)
     assert costs["verify_widths"] == [1, 2, 3, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 4

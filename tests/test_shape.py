@@ -190,7 +190,8 @@ def test_measured_costs_have_one_entry_per_shape():
 @pytest.mark.parametrize("kind", ["chain", "free", "tree"])
 def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
     """verify_s[i] = R(d_i, i) - draft_s[d_i], with the rounds a program of that kind runs: a chain
-    drafts what it verifies, a free drafter always drafts G, a tree (12 nodes) is drafted whole."""
+    drafts what it verifies, a free drafter always drafts G, a tree (12 nodes) is drafted whole;
+    drafting is timed less the overhead of a step that drafts nothing."""
     gammas = (0, 1, 2, 12) if kind == "tree" else (0, 1, 2, 4)
     draft = {"chain": [0.0, 0.2, 0.3, 0.5], "free": [0.0, 0.001, 0.001, 0.001], "tree": [0.0, 0.4, 0.4, 0.4]}[kind]
     timed = []
@@ -200,7 +201,8 @@ def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
         return [1.0 + draft[d] + 0.1 * v for d, v in pairs]
 
     monkeypatch.setattr(calibration, "time_rounds", rounds)
-    monkeypatch.setattr(calibration, "time_draft_step", lambda run, g: draft[gammas.index(g)])
+    # every timed draft step also pays 0.05 s of call overhead, which a step drafting nothing shows
+    monkeypatch.setattr(calibration, "time_draft_step", lambda run, g: 0.05 + draft[gammas.index(g)])
     monkeypatch.setattr(calibration, "time_target_pass", lambda run, width: 1.0)
     drafter = H.ngram_trie() if kind == "tree" else H.ngram()
     costs = calibration.measure_costs(H.target(), drafter, 2, 64, gammas, tree=kind == "tree")
@@ -213,20 +215,26 @@ def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
     assert calibration.policy_from_costs(costs, tree=kind == "tree").free_drafts == (kind == "free")
 
 
-@pytest.mark.parametrize("name", ["ngram", "model"])
+@pytest.mark.parametrize("name", ["ngram", "model", "trie"])
 def test_forced_shapes_verify_that_many_drafts_and_stay_lossless(name):
     """`DecodeState.forced_shape`, what the calibration times: every live row verifies exactly the
-    forced count (capped by its room), drafts the drafter did not find being padding, and the
-    output is still plain decoding's."""
-    drafter = H.ngram() if name == "ngram" else H.model_drafter()
-    forced = policy((0.0, 0.3, 0.6, 1.2))
-    for d, v in [(3, 2), (3, 3), (1, 1), (0, 0)]:
+    forced count (a chain's capped by its room; a tree's nodes are cut by depth in `accept`),
+    drafts the drafter did not find being padding, and the output is still plain decoding's."""
+    if name == "trie":
+        drafter, forced = H.ngram_trie(), tree_policy(tree_sizes=(0, 1, 2, 4, 12))
+        shapes = [(4, 4), (4, 2), (0, 0)]
+    else:
+        drafter = H.ngram() if name == "ngram" else H.model_drafter()
+        forced, shapes = policy((0.0, 0.3, 0.6, 1.2)), [(3, 2), (3, 3), (1, 1), (0, 0)]
+    for d, v in shapes:
         run = engine.prepare(H.target(), H.RAGGED, drafter, policy=forced, max_new_tokens=H.MAX_NEW)
         state = run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))
         while not bool(state.done[: run.num_rows].all()):
             room = np.asarray(engine.draft_room(run.spec, state))
             state = engine.draft_step(run.spec, run.params, state)
-            np.testing.assert_array_equal(np.asarray(state.proposal.num_draft), np.minimum(room, GAMMAS[v]))
+            width = forced.gammas[v]
+            want = np.where(room > 0, width, 0) if forced.tree else np.minimum(room, width)
+            np.testing.assert_array_equal(np.asarray(state.proposal.num_draft), want)
             state = engine.verify_step(run.spec, run.params, state)
         out = [np.asarray(state.tokens[b, n0:n]).tolist() for b, (n0, n) in
                enumerate(zip(run.prompt_lens[: run.num_rows], np.asarray(state.num_tokens)))]
@@ -236,8 +244,8 @@ def test_forced_shapes_verify_that_many_drafts_and_stay_lossless(name):
 TREE_SIZES = (0, 1, 2, 4, 7)
 
 
-def tree_policy(draft=(0.0,) * 5, verify=(1.0, 1.09, 1.3, 1.3, 1.34), **estimator) -> ShapePolicy:
-    return ShapePolicy(TREE_SIZES, verify, draft, tree=True, **estimator)
+def tree_policy(draft=(0.0,) * 5, verify=(1.0, 1.09, 1.3, 1.3, 1.34), tree_sizes=TREE_SIZES, **estimator) -> ShapePolicy:
+    return ShapePolicy(tree_sizes, verify, draft, tree=True, **estimator)
 
 
 def test_tree_sizes_are_node_counts_up_to_the_tree():
