@@ -3,18 +3,22 @@
 Greedy verification makes a run's tokens those of plain decoding, and the n-gram
 drafter's proposal depends only on the committed tokens, so what each round
 would draft, and how many of its drafts the target would accept, is known from
-one plain run per prompt. This script takes those plain outputs, computes the
+one plain run per prompt. This script makes those plain runs, computes the
 drafter's proposal at every committed length (the real `NgramDrafter`, on
 device), and runs the shape policy's own functions (`engine.shape`:
-`choose_verify`, `update`) round by round at batch 1, pricing each round with
-the calibrated costs a bench report recorded (`T_by_width`, `D_by_width` of
-`experiments/auto_shape.py`'s batch-1 auto bench). Its output per category is
-the policy's predicted speedup (plain rounds over priced rounds) and the
-verify widths it chose, for each estimator setting of `--grid`: with the
-report's own setting the widths equal the bench's, which checks the replay.
+`choose_draft`, `choose_verify`, `update`) round by round at batch 1, pricing
+each round with this device's calibrated costs (`engine.calibrated_costs`,
+the cache a run at that capacity uses). Per category it writes the policy's
+predicted speedup (plain rounds over priced rounds) and the verify widths
+chosen, for each estimator setting of `--grid`. Tune on the training split
+(`--split train`, the default), check on the held-out questions; with
+`--bench REPORT` (a batch-1 auto bench of the same prompts and settings) the
+bench's widths are kept beside the replay's, which checks that the replay is
+the run.
 
-    python experiments/policy_replay.py
     python experiments/policy_replay.py --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
+    python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.7 \
+        --bench experiments/results/auto_shape/rounds/bench_ngram_b1_gauto.json
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import itertools
 import json
 import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -33,18 +36,20 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import markdown_table, save  # noqa: E402
-from eagle_recipe import heldout_prompts_file  # noqa: E402
+from eagle_recipe import HEAD_CONFIGS  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from specdec_jax import engine  # noqa: E402
 from specdec_jax.config import RunConfig  # noqa: E402
-from specdec_jax.data import load_prompts_file  # noqa: E402
+from specdec_jax.data import spec_bench_questions  # noqa: E402
+from specdec_jax.distill.config import train_config  # noqa: E402
+from specdec_jax.distill.data import split_questions  # noqa: E402
 from specdec_jax.drafters.base import DraftContext  # noqa: E402
 from specdec_jax.engine import ShapePolicy, shape  # noqa: E402
 from specdec_jax.models import load_model  # noqa: E402
 from specdec_jax.runner import build_drafter, encode, stop_ids  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "policy_replay"
-BENCH = pathlib.Path(__file__).parent / "results" / "auto_shape" / "rounds" / "bench_ngram_b1_gauto.json"
 
 
 def proposals(drafter, sequence: list[int], prompt_len: int, gamma: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,46 +114,68 @@ def parse_grid(items: list[str]) -> list[dict]:
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 
+def questions(split: str, per_category: int) -> list[dict]:
+    """The first `per_category` questions of each category of the heads' training or held-out split
+    (`experiments/eagle_recipe.py`), as prompt records."""
+    tc = train_config(HEAD_CONFIGS["eagle"])
+    train, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
+    seen: dict[str, int] = {}
+    records = []
+    for q in train if split == "train" else held:
+        if seen.setdefault(q["category"], 0) < per_category:
+            seen[q["category"]] += 1
+            records.append({"id": q["question_id"], "category": q["category"], "prompt": q["turns"][0]})
+    return records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", nargs="*", default=["prior=0.3,0.5,0.7", "learn=0.25,0.5", "relax=0.003,0.01"])
-    parser.add_argument("--bench", type=pathlib.Path, default=BENCH, help="a batch-1 auto bench report (costs)")
+    parser.add_argument("--split", choices=("train", "heldout"), default="train",
+                        help="tune on training-split questions; check on the held-out ones")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--bench", type=pathlib.Path, default=None,
+                        help="a batch-1 auto bench report of the same prompts: its verify widths are printed "
+                             "beside the replay's (they agree when the replay is exact)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    report = json.loads(args.bench.read_text())
-    costs = {str(b["ids"][0]): b for b in report["batches"]}
-    cfg = RunConfig(**{k: report["config"][k] for k in ("ngram_min", "ngram_max", "max_new_tokens")})
+    cfg = RunConfig(max_new_tokens=args.max_new_tokens)
     target = load_model(cfg.model)
     tok = target.tokenizer
     drafter = build_drafter(cfg, target)
-    with tempfile.TemporaryDirectory() as folder:
-        records = [r for r in load_prompts_file(heldout_prompts_file(pathlib.Path(folder))) if str(r["id"]) in costs]
-    prompts = [encode(tok, r["prompt"], cfg.raw) for r in records]
-    gamma, tables = max(engine.AUTO_GAMMAS), {}
-    for r, p in zip(records, prompts):  # one at a time: a batch would pad every prompt to the longest
+    records = questions(args.split, args.per_category)
+    bench_widths = {}
+    if args.bench:
+        bench_widths = {str(b["ids"][0]): b["width_rounds"] for b in json.loads(args.bench.read_text())["batches"]}
+    gamma, tables, costs = max(engine.AUTO_GAMMAS), {}, {}
+    for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
+        p = encode(tok, r["prompt"], cfg.raw)
         out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.max_new_tokens,
                               stop_ids=stop_ids(cfg, tok)).tokens[0]
-        tables[str(r["id"])] = proposals(drafter, p + out, len(p), gamma)
-    settings = parse_grid(args.grid)
+        tables[r["id"]] = proposals(drafter, p + out, len(p), gamma)
+        capacity = engine.default_capacity(len(p), cfg.max_new_tokens, gamma)
+        costs[r["id"]] = engine.calibrated_costs(target, drafter, 1, capacity)
     rows, results = [], []
-    for setting in settings:
-        per_category, total_plain, total_cost = {}, 0, 0.0
+    for setting in parse_grid(args.grid):
+        per_category: dict[str, dict] = {}
         for r in records:
-            b = costs[str(r["id"])]
-            t1 = b["T1"]
-            policy = ShapePolicy(tuple(w - 1 for w in b["verify_widths"]), [max(t / t1, 1.0) for t in b["T_by_width"]],
-                                 [d / t1 for d in b["D_by_width"]], **setting)
-            found, accepted = tables[str(r["id"])]
-            cost, widths = replay(policy, found, accepted)
-            per_category[r["category"]] = {"speedup": len(found) / cost, "widths": widths,
-                                           "bench_widths": b["width_rounds"]}
-            total_plain, total_cost = total_plain + len(found), total_cost + cost
+            cost, widths = replay(engine.policy_from_costs(costs[r["id"]], **setting), *tables[r["id"]])
+            entry = per_category.setdefault(r["category"], {"plain": 0, "cost": 0.0, "widths": [], "bench": []})
+            entry["plain"] += len(tables[r["id"]][0])
+            entry["cost"] += cost
+            entry["widths"].append(widths)
+            entry["bench"].append(bench_widths.get(str(r["id"])))
+        for entry in per_category.values():
+            entry["speedup"] = entry["plain"] / entry["cost"]
+        overall = sum(e["plain"] for e in per_category.values()) / sum(e["cost"] for e in per_category.values())
         worst = min(per_category, key=lambda c: per_category[c]["speedup"])
-        results.append({"setting": setting, "overall": total_plain / total_cost, "categories": per_category})
-        rows.append([json.dumps(setting), total_plain / total_cost, worst, per_category[worst]["speedup"]]
+        results.append({"setting": setting, "overall": overall, "categories": per_category})
+        rows.append([json.dumps(setting), overall, worst, per_category[worst]["speedup"]]
                     + [per_category[c]["speedup"] for c in sorted(per_category)])
-    header = ["setting", "overall", "worst", "worst speedup"] + sorted(results[0]["categories"])
-    save(args.out, {"bench": str(args.bench), "results": results}, markdown_table(header, rows))
+    header = ["setting", "overall", "worst", "worst speedup"] + sorted(per_category)
+    save(args.out / args.split, {"split": args.split, "records": [r["id"] for r in records], "results": results},
+         markdown_table(header, rows))
     return 0
 
 

@@ -44,6 +44,7 @@ def test_greedy_tree_equals_plain_decoding(name):
     assert m.position_proposed[nodes - 1] > 0  # full trees were verified
 
 
+@pytest.mark.slow  # CI time; dynamic trees stay lossless in test_greedy_tree_equals_plain_decoding[draft-model]
 def test_a_dynamic_tree_of_the_target_itself_accepts_its_whole_depth():
     """The target as its own draft, every candidate kept (2 + 3 * 4 = 14 nodes): its top-1 path
     is the greedy continuation, so nearly every round accepts all 4 levels and emits 5 tokens

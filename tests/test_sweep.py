@@ -100,6 +100,7 @@ def test_sweep_drops_compiled_programs_before_each_point(tmp_path, monkeypatch):
     assert len(calls) == len((out / "results.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow  # CI time; a seed's determinism is also checked by the engine's solo-run tests
 def test_same_config_and_seed_give_identical_outputs(tmp_path):
     """Sampled decoding (temperature 0.8) from scratch twice, in two sweep folders: same tokens."""
     path = write_sweep(tmp_path, grid="{seed: [3, 4]}", base=(
