@@ -6,19 +6,22 @@ would draft, and how many of its drafts the target would accept, is known from
 one plain run per prompt. This script makes those plain runs, computes the
 drafter's proposal at every committed length (the real `NgramDrafter`, on
 device), and runs the shape policy's own functions (`engine.shape`:
-`choose_draft`, `choose_verify`, `update`) round by round at batch 1, pricing
+`choose_draft`, `choose_verify`, `update`) round by round (batches of
+`--batch-size` rows in file order, as `bench` makes them), pricing
 each round with this device's calibrated costs (`engine.calibrated_costs`,
 the cache a run at that capacity uses). Per category it writes the policy's
 predicted speedup (plain rounds over priced rounds) and the verify widths
 chosen, for each estimator setting of `--grid`. Tune on the training split
 (`--split train`, the default), check on the held-out questions; with
-`--bench REPORT` (a batch-1 auto bench of the same prompts and settings) the
+`--bench REPORT` (an auto bench of the same prompts and settings) the
 bench's widths are kept beside the replay's, which checks that the replay is
-the run.
+the run. A batch's predicted speedup is its longest row's plain rounds over its priced rounds.
 
     python experiments/policy_replay.py --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
     python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.7 \
         --bench experiments/results/auto_shape/rounds/bench_ngram_b1_gauto.json
+    python experiments/policy_replay.py --split heldout --batch-size 4 --max-prompt-tokens 1024 --grid prior=0.7 \
+        --bench experiments/results/auto_shape/rounds/bench_ngram_b4_gauto.json
 """
 
 from __future__ import annotations
@@ -73,33 +76,44 @@ def proposals(drafter, sequence: list[int], prompt_len: int, gamma: int) -> tupl
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _round(policy: ShapePolicy, acceptance, found, accepted, room):
-    """One batch-1 round as `engine.round.draft_step` takes it: the draft choice (a free drafter
+def _round(policy: ShapePolicy, acceptance, live, found, accepted, room):
+    """One round as `engine.round.draft_step` takes it, rows [B]: the draft choice (a free drafter
     always drafts G; a chain's first g drafts are its G-draft proposal's), the verify choice, the
     drafts verified and accepted, the new estimates."""
-    live, gammas = jnp.ones((1,), bool), jnp.asarray(policy.gammas)
+    gammas = jnp.asarray(policy.gammas)
     drafted = jnp.asarray(len(policy.gammas) - 1) if policy.free_drafts else shape.choose_draft(
         policy, acceptance, live, room)
-    found = jnp.minimum(jnp.minimum(found, room), gammas[drafted])
+    found = jnp.where(live, jnp.minimum(jnp.minimum(found, room), gammas[drafted]), 0)
     chosen = shape.choose_verify(policy, acceptance, live, found, drafted)
     verified = jnp.minimum(found, gammas[chosen])
     accepted = jnp.minimum(accepted, verified)
     return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted)
 
 
-def replay(policy: ShapePolicy, found: np.ndarray, accepted: np.ndarray) -> tuple[float, list[int]]:
-    """(priced rounds in units of T1, rounds per verify shape) of one prompt's generation."""
-    steps, j, cost = len(found), 0, 0.0
+def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_new: int,
+           batch: int) -> tuple[float, list[int]]:
+    """(priced rounds in units of T1, rounds per verify shape) of one batch's generation: rows of
+    (found, accepted) tables, padded to the engine's ``batch`` with rows that are done."""
+    steps = np.zeros(batch, np.int64)
+    steps[: len(rows)] = [len(found) for found, _ in rows]
+    tables = np.zeros((2, batch, max_new + 1), np.int32)
+    for b, table in enumerate(rows):
+        tables[:, b, : len(table[0])] = table
+    position, cost = np.zeros(batch, np.int64), 0.0
     widths = [0] * len(policy.gammas)
-    acceptance = policy.initial(1)
-    while j < steps:
-        room = jnp.asarray([steps - j - 1], jnp.int32)
-        drafted, chosen, n, acceptance = _round(policy, acceptance, jnp.asarray(found[j : j + 1]),
-                                                jnp.asarray(accepted[j : j + 1]), room)
+    acceptance = policy.initial(batch)
+    while (position < steps).any():
+        live = position < steps
+        at = np.minimum(position, max_new)
+        room = np.where(live, max_new - position - 1, 0)
+        drafted, chosen, n, acceptance = _round(policy, acceptance, jnp.asarray(live),
+                                                jnp.asarray(tables[0, np.arange(batch), at]),
+                                                jnp.asarray(tables[1, np.arange(batch), at]),
+                                                jnp.asarray(room, jnp.int32))
         chosen = int(chosen)
         widths[chosen] += 1
         cost += policy.verify_cost[chosen] + policy.draft_cost[int(drafted)]
-        j += int(n[0]) + 1
+        position = np.where(live, position + np.asarray(n) + 1, position)
     return cost, widths
 
 
@@ -114,18 +128,22 @@ def parse_grid(items: list[str]) -> list[dict]:
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 
-def questions(split: str, per_category: int) -> list[dict]:
-    """The first `per_category` questions of each category of the heads' training or held-out split
-    (`experiments/eagle_recipe.py`), as prompt records."""
+def questions(split: str, per_category: int, keep=lambda question: True) -> list[dict]:
+    """The first `per_category` questions of each category, among those `keep` accepts, of the
+    heads' training or held-out split (`experiments/eagle_recipe.py`), as prompt records."""
     tc = train_config(HEAD_CONFIGS["eagle"])
     train, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     seen: dict[str, int] = {}
     records = []
     for q in train if split == "train" else held:
-        if seen.setdefault(q["category"], 0) < per_category:
-            seen[q["category"]] += 1
+        if seen.get(q["category"], 0) < per_category and keep(q):
+            seen[q["category"]] = seen.get(q["category"], 0) + 1
             records.append({"id": q["question_id"], "category": q["category"], "prompt": q["turns"][0]})
     return records
+
+
+def batch_name(chunk: list[dict]) -> str:
+    return "+".join(dict.fromkeys(r["category"] for r in chunk))
 
 
 def main(argv=None) -> int:
@@ -134,8 +152,10 @@ def main(argv=None) -> int:
     parser.add_argument("--split", choices=("train", "heldout"), default="train",
                         help="tune on training-split questions; check on the held-out ones")
     parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per batch, in file order (as bench)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="as experiments/auto_shape.py")
     parser.add_argument("--bench", type=pathlib.Path, default=None,
-                        help="a batch-1 auto bench report of the same prompts: its verify widths are printed "
+                        help="an auto bench report of the same prompts and batch size: its verify widths are kept "
                              "beside the replay's (they agree when the replay is exact)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
@@ -144,38 +164,41 @@ def main(argv=None) -> int:
     target = load_model(cfg.model)
     tok = target.tokenizer
     drafter = build_drafter(cfg, target)
-    records = questions(args.split, args.per_category)
+    short = lambda q: not args.max_prompt_tokens or len(encode(tok, q["turns"][0], cfg.raw)) <= args.max_prompt_tokens
+    records = questions(args.split, args.per_category, short)
     bench_widths = {}
     if args.bench:
-        bench_widths = {str(b["ids"][0]): b["width_rounds"] for b in json.loads(args.bench.read_text())["batches"]}
-    gamma, tables, costs = max(engine.AUTO_GAMMAS), {}, {}
+        bench_widths = {tuple(map(str, b["ids"])): b["width_rounds"]
+                        for b in json.loads(args.bench.read_text())["batches"]}
+    gamma, tables, lengths = max(engine.AUTO_GAMMAS), {}, {}
     for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
         p = encode(tok, r["prompt"], cfg.raw)
         out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.max_new_tokens,
                               stop_ids=stop_ids(cfg, tok)).tokens[0]
-        tables[r["id"]] = proposals(drafter, p + out, len(p), gamma)
-        capacity = engine.default_capacity(len(p), cfg.max_new_tokens, gamma)
-        costs[r["id"]] = engine.calibrated_costs(target, drafter, 1, capacity)
+        tables[r["id"]], lengths[r["id"]] = proposals(drafter, p + out, len(p), gamma), len(p)
+    batches = [records[i : i + args.batch_size] for i in range(0, len(records), args.batch_size)]
     rows, results = [], []
     for setting in parse_grid(args.grid):
-        per_category: dict[str, dict] = {}
-        for r in records:
-            cost, widths = replay(engine.policy_from_costs(costs[r["id"]], **setting), *tables[r["id"]])
-            entry = per_category.setdefault(r["category"], {"plain": 0, "cost": 0.0, "widths": [], "bench": []})
-            entry["plain"] += len(tables[r["id"]][0])
-            entry["cost"] += cost
-            entry["widths"].append(widths)
-            entry["bench"].append(bench_widths.get(str(r["id"])))
-        for entry in per_category.values():
-            entry["speedup"] = entry["plain"] / entry["cost"]
-        overall = sum(e["plain"] for e in per_category.values()) / sum(e["cost"] for e in per_category.values())
-        worst = min(per_category, key=lambda c: per_category[c]["speedup"])
-        results.append({"setting": setting, "overall": overall, "categories": per_category})
-        rows.append([json.dumps(setting), overall, worst, per_category[worst]["speedup"]]
-                    + [per_category[c]["speedup"] for c in sorted(per_category)])
-    header = ["setting", "overall", "worst", "worst speedup"] + sorted(per_category)
-    save(args.out / args.split, {"split": args.split, "records": [r["id"] for r in records], "results": results},
-         markdown_table(header, rows))
+        per_batch = []
+        for chunk in batches:
+            size = 1 << (len(chunk) - 1).bit_length()
+            capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.max_new_tokens, gamma)
+            costs = engine.calibrated_costs(target, drafter, size, capacity)
+            cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
+                                  cfg.max_new_tokens, size)
+            longest = max(len(tables[r["id"]][0]) for r in chunk)
+            per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk), "plain_rounds": longest,
+                              "cost": cost, "speedup": longest / cost, "widths": widths,
+                              "bench_widths": bench_widths.get(tuple(str(r["id"]) for r in chunk))})
+        overall = sum(b["plain_rounds"] for b in per_batch) / sum(b["cost"] for b in per_batch)
+        worst = min(per_batch, key=lambda b: b["speedup"])
+        results.append({"setting": setting, "overall": overall, "batches": per_batch})
+        rows.append([json.dumps(setting), overall, worst["name"], worst["speedup"]]
+                    + [b["speedup"] for b in per_batch])
+    header = ["setting", "overall", "worst", "worst speedup"] + [b["name"] for b in per_batch]
+    payload = {"split": args.split, "batch_size": args.batch_size, "records": [r["id"] for r in records],
+               "results": results}
+    save(args.out / f"{args.split}_b{args.batch_size}", payload, markdown_table(header, rows))
     return 0
 
 
