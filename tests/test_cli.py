@@ -377,6 +377,7 @@ def test_tree_flags_run_a_lossless_tree_and_report_its_shape(tmp_path, capsys):
     assert len(tree["metrics"]["per_position_acceptance"]) == 6  # one per node
 
 
+@pytest.mark.slow  # CI time; auto trees are lossless in test_shape.test_auto_tree_sizes_are_lossless
 def test_tree_nodes_auto_chooses_sizes_per_round_losslessly(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # a fresh calibration
     out = tmp_path / "auto.json"
