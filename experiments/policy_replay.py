@@ -9,13 +9,13 @@ device), and runs the shape policy's own functions (`engine.shape`:
 `choose_draft`, `choose_verify`, `update`) round by round (batches of
 `--batch-size` rows in file order, as `bench` makes them), pricing
 each round with this device's calibrated costs (`engine.calibrated_costs`,
-the cache a run at that capacity uses). Per category it writes the policy's
-predicted speedup (plain rounds over priced rounds) and the verify widths
-chosen, for each estimator setting of `--grid`. Tune on the training split
+the cache a run at that capacity uses). Per batch it writes the policy's
+predicted speedup (the longest row's plain rounds over the priced rounds) and
+the verify widths chosen, for each estimator setting of `--grid`. Tune on the training split
 (`--split train`, the default), check on the held-out questions; with
 `--bench REPORT` (an auto bench of the same prompts and settings) the
 bench's widths are kept beside the replay's, which checks that the replay is
-the run. A batch's predicted speedup is its longest row's plain rounds over its priced rounds.
+the run.
 
     python experiments/policy_replay.py --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
     python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.7 \

@@ -49,7 +49,8 @@ from specdec_jax.engine.state import (
 
 __all__ = [
     "AUTO", "AUTO_GAMMAS", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams",
-    "EngineSpec", "ShapePolicy", "auto_shapes", "calibrated_costs", "measure_costs", "policy_from_costs", "shape_policy", "tree_sizes",
+    "EngineSpec", "ShapePolicy", "auto_shapes", "calibrated_costs", "measure_costs", "policy_from_costs",
+    "shape_policy", "tree_sizes",
     "GenerationResult", "Prepared", "accept", "accept_tree", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
     "target_law", "target_pass", "validate", "verify_step",
