@@ -81,10 +81,11 @@ def _round(policy: ShapePolicy, acceptance, live, found, accepted, room):
     always drafts G; a chain's first g drafts are its G-draft proposal's), the verify choice, the
     drafts verified and accepted, the new estimates."""
     gammas = jnp.asarray(policy.gammas)
+    weight = shape.row_weights(policy, acceptance, live, room)
     drafted = jnp.asarray(len(policy.gammas) - 1) if policy.free_drafts else shape.choose_draft(
-        policy, acceptance, live, room)
+        policy, acceptance, weight, room)
     found = jnp.where(live, jnp.minimum(jnp.minimum(found, room), gammas[drafted]), 0)
-    chosen = shape.choose_verify(policy, acceptance, live, found, drafted)
+    chosen = shape.choose_verify(policy, acceptance, weight, found, drafted)
     verified = jnp.minimum(found, gammas[chosen])
     accepted = jnp.minimum(accepted, verified)
     return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted)
@@ -118,13 +119,13 @@ def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_n
 
 
 def parse_grid(items: list[str]) -> list[dict]:
-    """["prior=0.3,0.5", "learn=0.25"] -> every combination as ShapePolicy keyword arguments."""
+    """["prior=0.3,0.5", "weigh_rows=1,0"] -> every combination as ShapePolicy keyword arguments."""
     axes = {}
     for item in items:
         name, _, values = item.partition("=")
-        if name not in ("prior", "learn", "relax", "follow") or not values:
-            raise SystemExit(f"--grid takes name=v1,v2 with name in prior/learn/relax/follow, got {item!r}")
-        axes[name] = [float(v) for v in values.split(",")]
+        if name not in ("prior", "learn", "relax", "follow", "weigh_rows") or not values:
+            raise SystemExit(f"--grid takes name=v1,v2 with name in prior/learn/relax/follow/weigh_rows, got {item!r}")
+        axes[name] = [bool(int(v)) if name == "weigh_rows" else float(v) for v in values.split(",")]
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 

@@ -58,6 +58,27 @@ def test_choices_follow_acceptance_and_costs():
     assert int(shape.choose_verify(policy(), jnp.full((1, 4), 0.99), live, jnp.array([4]), jnp.array(1))) == 1
 
 
+def test_a_row_ahead_of_the_batch_stops_widening_it():
+    """A batch ends with its last row: a copying row's tokens shorten nothing while a row of free text
+    needs a round per token, so weighing rows by rounds left turns the batch plain (hand-computed)."""
+    acceptance = jnp.array([[0.95] * 4, [0.05] * 4])
+    live, room, found = jnp.array([True, True]), jnp.array([100, 100]), jnp.array([4, 4])
+    w = np.asarray(shape.row_weights(policy(), acceptance, live, room))
+    # rounds left: 101 / E(4) = 101 / 4.5244 = 22.32 and 101 / 1.0526 = 95.95
+    np.testing.assert_allclose(w, [22.324 / 95.953, 1.0], rtol=1e-3)
+    # weighted tokens per T1 at gammas 0, 1, 2, 4: 1.233, 1.090, 1.176, 1.176 -> plain
+    assert int(shape.choose_verify(policy(), acceptance, w, found, jnp.array(3))) == 0
+    # alike, as with weigh_rows off: 2, 2.17, 2.67, 3.11 -> the widest chain
+    alike = shape.row_weights(policy(weigh_rows=False), acceptance, live, room)
+    np.testing.assert_array_equal(np.asarray(alike), [1.0, 1.0])
+    assert int(shape.choose_verify(policy(), acceptance, alike, found, jnp.array(3))) == 3
+    # rows alike weigh alike; little budget left weighs little; a finished row weighs 0; a row alone 1
+    same = jnp.full((3, 4), 0.5)
+    w = np.asarray(shape.row_weights(policy(), same, jnp.array([True, True, False]), jnp.array([100, 10, 100])))
+    np.testing.assert_allclose(w, [1.0, 11 / 101, 0.0], rtol=1e-6)
+    assert float(shape.row_weights(policy(), same[:1], live[:1], jnp.array([3]))[0]) == 1.0
+
+
 def test_estimates_learn_what_was_verified_and_drift_where_nothing_was():
     p = policy(prior=0.5, learn=0.5, relax=0.1, follow=0.2)
     a = jnp.array([[0.6, 0.6, 0.6, 0.6], [0.6, 0.6, 0.6, 0.6], [0.2, 0.8, 0.6, 0.6]])
@@ -98,8 +119,9 @@ def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
     bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=costs, max_new_tokens=H.MAX_NEW)
     assert bad.metrics.width_rounds[0] >= 0.75 * bad.loop_rounds, bad.metrics  # plain steps, a few probes
     good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=costs, max_new_tokens=H.MAX_NEW)
-    assert good.metrics.width_rounds[-1] >= 0.4 * good.loop_rounds, good.metrics  # the widest chain, soon
-    assert good.metrics.mean_accepted_length > 3.5
+    # from the prior 0.5 it widens a step at a time as each depth is seen accepted: 1, 2, then 4 drafts
+    assert sum(good.metrics.width_rounds[-2:]) >= 0.6 * good.loop_rounds, good.metrics
+    assert good.metrics.mean_accepted_length > 3.0
     for out in (bad, good):
         assert out.tokens == H.reference_no_eos().tokens
 

@@ -13,12 +13,18 @@ chain of g drafts are
 
 Each round, on device:
 
+0. each live row gets a weight (`row_weights`): its expected rounds left,
+   (room + 1) / E_row(G), over the largest among the live rows. A batch runs
+   until its last row ends, so tokens of a row far ahead of the others (one
+   that copies, or has little budget left) shorten nothing, and that row stops
+   pulling the whole batch's verify pass wider; rows alike weigh alike, and a
+   row alone weighs 1;
 1. before drafting (`choose_draft`): the g that maximises
-   sum_live E_row(min(g, room)) / (draft_cost(g) + verify_cost(g)). A drafter whose
+   sum_live w_row E_row(min(g, room)) / (draft_cost(g) + verify_cost(g)). A drafter whose
    whole proposal is free (`free_drafts`: the n-gram lookup) always drafts G,
    so what it finds (a row without a match has no drafts) informs step 2;
 2. after drafting (`choose_verify`): the verify shape g_v <= g that maximises
-   sum_live E_row(min(g_v, num_draft)) / (draft_cost(g) + verify_cost(g_v)); drafts
+   sum_live w_row E_row(min(g_v, num_draft)) / (draft_cost(g) + verify_cost(g_v)); drafts
    past g_v are dropped. A row without drafts counts 1 at every shape, so rows
    whose drafts keep failing (a ~ 0) stop widening the batch's verify pass: the
    per-row opt-out falls out of the batch's choice;
@@ -68,11 +74,12 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    prior: float = 0.7  # acceptance assumed before a position is observed
+    prior: float = 0.5  # acceptance assumed before a position is observed (tuned by policy_replay, train split)
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
     tree: bool = False  # gammas are token-tree node counts; acceptance is per node (module docstring)
+    weigh_rows: bool = True  # weigh rows by rounds left (a static batch); False: alike (rows refilled as they end)
 
     def __post_init__(self):
         gammas = tuple(int(g) for g in self.gammas)
@@ -119,24 +126,37 @@ def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, 
     return 1.0 + jnp.take_along_axis(accepted, drafts, axis=1)
 
 
-def _best(policy: ShapePolicy, acceptance, live, limit, draft_cost, allowed=None, usable=None) -> jax.Array:
+def row_weights(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, room: jax.Array) -> jax.Array:
+    """f32[B]: how much a row's tokens shorten the batch, 0 for finished rows (step 0 of the module
+    docstring): the row's expected rounds left, (room + 1) / E_row(the widest shape), over the
+    largest among the live rows; with ``policy.weigh_rows`` off, 1 for every live row."""
+    if not policy.weigh_rows:
+        return live.astype(jnp.float32)
+    limit = jnp.where(room > 0, policy.max_gamma, 0) if policy.tree else room
+    rounds = (room + 1) / expected_tokens(acceptance, limit, (policy.max_gamma,), policy.tree)[:, 0]
+    rounds = jnp.where(live, rounds, 0.0)
+    return rounds / jnp.maximum(jnp.max(rounds), 1e-6)
+
+
+def _best(policy: ShapePolicy, acceptance, weight, limit, draft_cost, allowed=None, usable=None) -> jax.Array:
     tokens = expected_tokens(acceptance, limit, policy.gammas, policy.tree, usable)
-    tokens = jnp.sum(jnp.where(live[:, None], tokens, 0.0), axis=0)
+    tokens = jnp.sum(weight[:, None] * tokens, axis=0)
     rate = tokens / (draft_cost + jnp.asarray(policy.verify_cost, jnp.float32))
     if allowed is not None:
         rate = jnp.where(allowed, rate, -jnp.inf)
     return jnp.argmax(rate).astype(jnp.int32)
 
 
-def choose_draft(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, room: jax.Array) -> jax.Array:
-    """i32[]: index into gammas of the proposal to draw (step 1 of the module docstring)."""
+def choose_draft(policy: ShapePolicy, acceptance: jax.Array, weight: jax.Array, room: jax.Array) -> jax.Array:
+    """i32[]: index into gammas of the proposal to draw (step 1 of the module docstring); weight
+    f32[B] as `row_weights` (or the live mask, every row counting alike)."""
     if policy.free_drafts:
         return jnp.asarray(len(policy.gammas) - 1, jnp.int32)
     if policy.tree:  # grown whole (if any verify size pays for it) or not at all; room bounds depth, not nodes
         whole = jnp.where(jnp.arange(len(policy.gammas)) > 0, policy.draft_cost[-1], 0.0)
-        best = _best(policy, acceptance, live, jnp.where(room > 0, policy.max_gamma, 0), whole)
+        best = _best(policy, acceptance, weight, jnp.where(room > 0, policy.max_gamma, 0), whole)
         return jnp.where(best > 0, len(policy.gammas) - 1, 0).astype(jnp.int32)
-    return _best(policy, acceptance, live, room, jnp.asarray(policy.draft_cost, jnp.float32))
+    return _best(policy, acceptance, weight, room, jnp.asarray(policy.draft_cost, jnp.float32))
 
 
 def draft_options(policy: ShapePolicy) -> tuple[int, ...]:
@@ -144,13 +164,13 @@ def draft_options(policy: ShapePolicy) -> tuple[int, ...]:
     return (0, policy.max_gamma) if policy.tree else policy.gammas
 
 
-def choose_verify(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
+def choose_verify(policy: ShapePolicy, acceptance: jax.Array, weight: jax.Array, num_draft: jax.Array,
                   drafted: jax.Array, usable: jax.Array | None = None) -> jax.Array:
     """i32[]: index into gammas of the verify shape, at most ``drafted`` (step 2); ``usable``
     bool[B,G]: a tree's nodes that lie within the row's room."""
     sunk = jnp.asarray(policy.draft_cost, jnp.float32)[drafted]
     allowed = jnp.arange(len(policy.gammas)) <= drafted
-    return _best(policy, acceptance, live, num_draft, sunk, allowed, usable)
+    return _best(policy, acceptance, weight, num_draft, sunk, allowed, usable)
 
 
 def update(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, num_draft: jax.Array,
