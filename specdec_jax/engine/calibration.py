@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.engine.shape import FREE_DRAFTS, ShapePolicy
+from specdec_jax.kv_cache import ordered_read
 from specdec_jax.target import chain_positions, resolve_target
 
 AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
@@ -73,11 +74,15 @@ def time_target_pass(run, width: int, repeats: int = 7) -> float:
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, carry):
+        def read(cache):
+            tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
+            logits, _, block = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
+                                                 spec.hidden_layers, defer_writes=True)
+            return jnp.argmax(logits, axis=-1), block
+
         cache = carry[0]
-        tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
-        logits, _, block = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
-                                             spec.hidden_layers, defer_writes=True)
-        return cache.write_block(block), jnp.argmax(logits, axis=-1)
+        top, block = ordered_read(read, cache)
+        return cache.write_block(block), top
 
     batch = run.state.cache.lengths.shape[0]
     carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))

@@ -40,7 +40,7 @@ from specdec_jax import rng, tree
 from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
 from specdec_jax.engine import shape
 from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
-from specdec_jax.kv_cache import KVBlock
+from specdec_jax.kv_cache import KVBlock, ordered_read
 from specdec_jax.sampling import PenaltyCounts, process_logits
 from specdec_jax.target import chain_positions
 from specdec_jax.verify import VerifyResult, verify_greedy, verify_stochastic
@@ -164,13 +164,9 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
         return run
 
     widths = spec.verify_widths
-    if len(widths) == 1:
-        # In a conditional even with one width: at top level XLA (CPU) copies every layer's cache
-        # each round so that commit's in-place write cannot overtake the pass's reads; a plain
-        # decoding round at batch 16 ran 71 ms instead of 48 (the predicate is never false).
+    if len(widths) == 1:  # in a conditional too, or XLA copies the cache each round (`kv_cache.ordered_read`)
         branch = jnp.zeros((), jnp.int32)
-        run = at_width(widths[0])
-        result, logits, hidden, block = jax.lax.cond(state.step >= 0, run, run, state.cache)
+        result, logits, hidden, block = ordered_read(at_width(widths[0]), state.cache)
     else:
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
         result, logits, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
