@@ -436,3 +436,17 @@ def test_each_round_verifies_at_the_narrowest_width_that_holds_its_drafts(count,
     hist = spec.metrics.width_rounds
     assert sum(hist) == spec.loop_rounds and not any(hist[width_index + 1:])
     assert hist[width_index] >= spec.loop_rounds - 3
+
+
+@pytest.mark.parametrize("gamma", [0, H.GAMMA])
+def test_a_round_copies_no_cache_buffer(gamma):
+    """The cache is updated in place: a compiled round (state donated, as the loop runs it) holds no
+    copy of a layer's key or value buffer. A top-level pass read the cache before commit's
+    in-place write and XLA copied every buffer each plain round (`kv_cache.ordered_read`)."""
+    h = H.prepare(H.RAGGED, None if gamma == 0 else H.ngram(), gamma=gamma)
+    step = jax.jit(functools.partial(engine_round.decode_round, h.spec), donate_argnums=1)
+    text = step.lower(h.params, h.state).compile().as_text()
+    shapes = {",".join(map(str, a.shape)) for a in (*h.state.cache.k, *h.state.cache.v)}
+    copies = [line for line in text.splitlines() if " copy(" in line
+              and any(f"f32[{s}]" in line.split(" copy(")[0] for s in shapes)]
+    assert not copies, copies[:3]

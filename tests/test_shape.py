@@ -218,7 +218,7 @@ def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
     draft = {"chain": [0.0, 0.2, 0.3, 0.5], "free": [0.0, 0.001, 0.001, 0.001], "tree": [0.0, 0.4, 0.4, 0.4]}[kind]
     timed = []
 
-    def rounds(run, pairs, repeats=7):  # R(d, v) = 1 + drafting gammas[d] + 0.1 v seconds
+    def rounds(run, pairs, repeats=7, rounds=1):  # R(d, v) = 1 + drafting gammas[d] + 0.1 v seconds
         timed.append(list(pairs))
         return [1.0 + draft[d] + 0.1 * v for d, v in pairs]
 

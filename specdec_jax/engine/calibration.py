@@ -4,9 +4,9 @@
 one forced shape (`DecodeState.forced_shape`), on the shapes of a batch (batch
 size, KV capacity, the drafter's hidden layers), and splits each round's seconds
 into the drafter's proposal and the rest (target pass, law, acceptance, commit).
-It times them the way the loop runs them: each jitted round donates its state,
-so no timing includes a copy, and one program (the forced shape is loop state)
-serves every shape. `calibrated_costs` caches the costs on disk, one JSON
+It times them the way the loop runs them: several rounds in a loop per timed
+call, each call donating its state, so no timing includes a copy, and one
+program (the forced shape is loop state) serves every shape. `calibrated_costs` caches the costs on disk, one JSON
 file per device, target, drafter, batch, capacity (rounded up to a power of
 two: attention over the slots is a small part of a step) and gammas, under
 `$SPECDEC_CACHE/calibration/` (`refresh=True` measures again), and
@@ -51,6 +51,7 @@ def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
     shape = getattr(drafter, "tree", None)
     return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
 CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
+CALIBRATION_ROUNDS = 8  # rounds per timed call of `time_rounds` (fewer where the capacity has no room)
 
 
 def median_time_fed_back(step, carry, repeats: int = 7) -> float:
@@ -106,13 +107,16 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     return median_time_fed_back(lambda state: step(run.params, state), state, repeats)
 
 
-def time_rounds(run, shapes, repeats: int = 7) -> list[float]:
-    """Median seconds of one whole round (`draft_step` then `verify_step`, jitted together as the
-    loop's body) of ``run``'s batch (prepared with a shape policy) at each forced shape of
-    ``shapes``, (draft index, verify index) pairs (`DecodeState.forced_shape`: every live row
-    verifies that many drafts, found or not). One program serves every shape; every timed call
-    starts from a copy of the post-prefill state (copied before the clock starts) and donates it;
-    the shapes are timed in turn, so a change in the machine's load reaches all of them alike."""
+def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
+    """Median seconds of one whole round (`draft_step` then `verify_step`) of ``run``'s batch
+    (prepared with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
+    pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
+    Each timed call runs ``rounds`` rounds in a loop, as the decoding loop runs them (a round
+    called alone cost 14% more at batch 4 here, and not alike at every width), and its time is
+    divided by ``rounds``; the state needs room for them. One program serves every shape; every
+    timed call starts from a copy of the post-prefill state (copied before the clock starts) and
+    donates it; the shapes are timed in turn, so a change in the machine's load reaches all of
+    them alike."""
     from specdec_jax.engine.round import decode_round
 
     policy = run.spec.policy
@@ -120,7 +124,8 @@ def time_rounds(run, shapes, repeats: int = 7) -> list[float]:
     for d, v in shapes:
         if d not in options or not 0 <= v <= (d if not policy.tree else len(policy.gammas) - 1):
             raise ValueError(f"forced shape ({d}, {v}) is not a round the policy over {policy.gammas} can run")
-    step = jax.jit(functools.partial(decode_round, run.spec), donate_argnums=1)
+    step = jax.jit(lambda params, state: jax.lax.fori_loop(
+        0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
     fresh = lambda d, v: jax.block_until_ready(
         jax.tree.map(jnp.copy, run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))))
     jax.block_until_ready(step(run.params, fresh(0, 0)))  # compile and warm up
@@ -130,14 +135,15 @@ def time_rounds(run, shapes, repeats: int = 7) -> list[float]:
             state = fresh(d, v)
             start = time.perf_counter()
             jax.block_until_ready(step(run.params, state))
-            samples.append(time.perf_counter() - start)
+            samples.append((time.perf_counter() - start) / rounds)
     return [statistics.median(t) for t in times]
 
 
 def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False,
                   repeats: int = 7) -> dict:
     """Seconds of T1, of each shape's round past its drafting and of that drafting, on a batch of
-    ``batch`` rows of CALIBRATION_PROMPT random tokens at KV capacity ``capacity``:
+    ``batch`` rows of (at most) CALIBRATION_PROMPT random tokens at KV capacity ``capacity``,
+    rounds timed CALIBRATION_ROUNDS at a time in a loop (`time_rounds`):
 
     - draft_s[i]: the drafter's proposal of gammas[i] tokens (`time_draft_step`) less a draft step
       that proposes nothing (the jitted call's own overhead, 0.3 ms here, which the loop does not
@@ -161,9 +167,12 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     policy = lambda free: ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (0.0 if free else 1.0,) * last,
                                       tree=tree)
     rng = np.random.default_rng(0)
-    length = max(2, min(CALIBRATION_PROMPT, capacity - max(gammas) - 2))
+    width = max(gammas) + 1  # tokens a round may emit
+    loop = max(1, min(CALIBRATION_ROUNDS, (capacity - 16 - 2 * width) // width))
+    length = max(2, min(CALIBRATION_PROMPT, capacity - loop * width - width - 1))
     prompts = rng.integers(0, model.vocab_size, (batch, length)).tolist()
-    run = prepare(target, prompts, drafter, policy=policy(False), max_new_tokens=max(gammas) + 2, capacity=capacity)
+    run = prepare(target, prompts, drafter, policy=policy(False), max_new_tokens=loop * width + width + 1,
+                  capacity=capacity)
     idle = time_draft_step(run, 0)  # a draft step that proposes nothing: the call's own overhead, not paid in the loop
     if tree:
         draft = [0.0] + [max(0.0, time_draft_step(run, max(gammas)) - idle)] * last
@@ -174,7 +183,7 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
         run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, policy=policy(free)))
         pairs = [(last, v) for v in range(last + 1)] if free else (
             [(0, 0)] + [(last if tree else v, v) for v in range(1, last + 1)])
-        rounds = time_rounds(run, pairs, repeats)
+        rounds = time_rounds(run, pairs, repeats, rounds=loop)
         verify = [t - draft[d] for (d, _), t in zip(pairs, rounds)]
         if free == (draft[-1] <= FREE_DRAFTS * verify[0]):
             break
@@ -234,7 +243,7 @@ def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
     capacity, gammas."""
     model, _ = resolve_target(target)
     device = jax.devices()[0]
-    return json.dumps({"method": "whole rounds, drafting less an idle step, law at the verify width",
+    return json.dumps({"method": "rounds in a loop, drafting less an idle step, law at the verify width",
                        "device": f"{device.platform}:{device.device_kind}:{jax.device_count()}",
                        "jax": jax.__version__, "target": repr(model), "drafter": repr(drafter), "batch": batch,
                        "capacity": capacity, "gammas": list(gammas)})
