@@ -74,7 +74,7 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    prior: float = 0.5  # acceptance assumed before a position is observed (tuned by policy_replay, train split)
+    prior: float = 0.7  # acceptance assumed before a position is observed
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
