@@ -243,7 +243,7 @@ def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
     capacity, gammas."""
     model, _ = resolve_target(target)
     device = jax.devices()[0]
-    return json.dumps({"method": "rounds in a loop, drafting less an idle step, law at the verify width",
+    return json.dumps({"method": "rounds in a loop, drafting less an idle step",
                        "device": f"{device.platform}:{device.device_kind}:{jax.device_count()}",
                        "jax": jax.__version__, "target": repr(model), "drafter": repr(drafter), "batch": batch,
                        "capacity": capacity, "gammas": list(gammas)})

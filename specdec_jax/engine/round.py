@@ -6,8 +6,7 @@
 `verify_step` is the composition of its named parts, each a pure function:
 
     target_pass   the target over [t0, d1..dG] at slots lengths + s, positions lengths + s (a chain)
-                  or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`),
-                  then target_law and accept, all at the round's verify width
+                  or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`)
     target_law    the processed law p at each verified position (penalties, temperature, filters)
     accept        the verification rule: accepted drafts, correction or bonus, stop/budget cut
                   (`verify` for chains, `verify_tree` for trees)
@@ -128,18 +127,14 @@ def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
 
 
 def target_pass(spec: EngineSpec, target_params, state: DecodeState):
-    """``(result VerifyResult, logits f32[B,G+1,V] | None, hidden f32[B,G+1,k,H] | None, block, width
-    index i32[])``: the target over the inputs ``[t0, drafts]`` at slots ``lengths + s`` and positions
-    ``lengths + s`` (a chain) or ``lengths + depth`` under the ancestor mask (a tree), then its law
-    (`target_law`) and the verification rule (`accept`).
+    """``(logits f32[B,G+1,V], hidden f32[B,G+1,k,H] | None, block, width index i32[])`` of the
+    inputs ``[t0, drafts]`` at slots ``lengths + s`` and positions ``lengths + s`` (a chain) or
+    ``lengths + depth`` under the ancestor mask (a tree).
 
-    All three run at the narrowest of ``spec.verify_widths`` that holds every row's drafts, so a
-    round that verifies nothing costs what a plain decoding step does (no law over G + 1 columns);
-    the result, hidden states and keys/values come back padded to G + 1 columns (zeros, never
-    read), and the logits only when ``spec.record_top_k`` keeps them. The pass only reads the
-    cache; its keys/values come back as a `KVBlock` that `commit` writes after the ``lax.switch``
-    (a write inside a branch would copy the cache every round, and a tree's block is reordered
-    first).
+    It runs at the narrowest of ``spec.verify_widths`` that holds every row's drafts;
+    columns past that width are zeros and are never read. The pass only reads the cache; its
+    keys/values come back as a `KVBlock` that `commit` writes after the ``lax.switch`` (a write
+    inside a branch would copy the cache every round, and a tree's block is reordered first).
     """
     drafts, parents = state.proposal.drafts, state.proposal.parents
     t0 = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)
@@ -155,81 +150,54 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
             logits, hidden, block = spec.target.apply(
                 target_params, inputs[:, :width], cache, positions[:, :width],
                 None if mask is None else mask[:, :width, :width], spec.hidden_layers, defer_writes=True)
-            result = _padded_result(accept(spec, state, target_law(spec, state, logits)), spec.gamma)
             pad = inputs.shape[1] - width
-            logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0))) if spec.record_top_k else None
+            logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
             if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
                 hidden = jnp.pad(hidden.transpose(1, 2, 0, 3), ((0, 0), (0, pad), (0, 0), (0, 0)))
-            return result, logits, hidden, block.padded(inputs.shape[1])
+            return logits, hidden, block.padded(inputs.shape[1])
         return run
 
     widths = spec.verify_widths
     if len(widths) == 1:  # in a conditional too, or XLA copies the cache each round (`kv_cache.ordered_read`)
         branch = jnp.zeros((), jnp.int32)
-        result, logits, hidden, block = ordered_read(at_width(widths[0]), state.cache)
+        logits, hidden, block = ordered_read(at_width(widths[0]), state.cache)
     else:
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
-        result, logits, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
-    return result, logits, hidden, block, branch
-
-
-def _padded_result(result: VerifyResult, gamma: int) -> VerifyResult:
-    """A result of a pass narrower than G + 1 widened to G + 1 tokens (zeros) and G path nodes (-1)."""
-    pad = gamma + 1 - result.tokens.shape[1]
-    path = None if result.path is None else jnp.pad(result.path, ((0, 0), (0, pad)), constant_values=-1)
-    return result._replace(tokens=jnp.pad(result.tokens, ((0, 0), (0, pad))), path=path)
-
-
-def _verified(state: DecodeState, width: int) -> Proposal:
-    """The round's proposal cut to the ``width - 1`` drafts (a prefix of a tree's nodes) a pass of
-    ``width`` verifies; every row's drafts fit (`target_pass` chose the width). No nodes are a
-    chain of none (parents None)."""
-    drafts, num_draft, probs, parents = state.proposal
-    g = width - 1
-    return Proposal(drafts[:, :g], num_draft, None if probs is None else probs[:, :g],
-                    None if parents is None or g == 0 else parents[:, :g])
+        logits, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
+    return logits, hidden, block, branch
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
-    """f32[B,W,V]: the processed target law at each of the W verified positions (DESIGN section 6);
+    """f32[B,G+1,V]: the processed target law at each verified position (DESIGN section 6);
     penalties count the committed tokens plus the drafts before each position."""
     counts = None
     if state.sampling.use_penalties:
         history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
-        drafts, _, _, parents = _verified(state, logits.shape[1])
-        counts = history.at_positions(drafts, None if parents is None else tree.structure(parents)[1])
+        parents = state.proposal.parents
+        counts = history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
     return process_logits(logits, state.sampling, counts)
 
 
 def accept(spec: EngineSpec, state: DecodeState, target_probs: jax.Array) -> VerifyResult:
-    """The verification rule over target_probs f32[B,W,V] (the first W - 1 drafts): greedy when no
-    row samples, else speculative sampling (greedy rows of a mixed batch have one-hot laws, for
-    which it reduces to the greedy rule)."""
-    width = target_probs.shape[1]
-    drafts, num_draft, draft_probs, parents = _verified(state, width)
+    """The verification rule: greedy when no row samples, else speculative sampling (greedy rows
+    of a mixed batch have one-hot laws, for which it reduces to the greedy rule)."""
+    drafts, num_draft, draft_probs, parents = state.proposal
     budget = state.max_new - (state.num_tokens - state.prompt_lens)
     if parents is not None:
         return accept_tree(spec, state, target_probs, budget)
     if state.sampling.any_sampled:
-        result = verify_stochastic(position_keys(state, width), drafts, draft_probs, target_probs, num_draft,
-                                   stop_ids=spec.stop_ids, budget=budget)
-    else:
-        result = verify_greedy(drafts, jnp.argmax(target_probs, axis=-1), num_draft, stop_ids=spec.stop_ids,
-                               budget=budget)
-    if state.proposal.parents is not None:  # a tree verifying no nodes: one token from p at t0
-        result = result._replace(path=jnp.zeros((drafts.shape[0], 0), jnp.int32))
-    return result
+        return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs, target_probs, num_draft,
+                                 stop_ids=spec.stop_ids, budget=budget)
+    return verify_greedy(drafts, jnp.argmax(target_probs, axis=-1), num_draft, stop_ids=spec.stop_ids, budget=budget)
 
 
 def accept_tree(spec: EngineSpec, state: DecodeState, target_probs: jax.Array, budget: jax.Array) -> VerifyResult:
-    """The tree rules (`verify_tree`) over the first W - 1 nodes (target_probs f32[B,W,V]) that lie
-    within the row's room."""
-    width = target_probs.shape[1]
-    drafts, num_draft, draft_probs, parents = _verified(state, width)
+    """The tree rules (`verify_tree`) over the nodes a row proposed that lie within its room."""
+    drafts, num_draft, draft_probs, parents = state.proposal
     depth = tree.structure(parents)[0][:, 1:]
-    valid = (jnp.arange(width - 1)[None, :] < num_draft[:, None]) & (depth <= draft_room(spec, state)[:, None])
+    valid = (jnp.arange(spec.gamma)[None, :] < num_draft[:, None]) & (depth <= draft_room(spec, state)[:, None])
     if state.sampling.any_sampled:
-        return verify_tree_stochastic(position_keys(state, width), drafts, parents, valid, draft_probs,
+        return verify_tree_stochastic(position_keys(state, spec.gamma + 1), drafts, parents, valid, draft_probs,
                                       target_probs, without_replacement=spec.drafter.without_replacement,
                                       stop_ids=spec.stop_ids, budget=budget)
     return verify_tree_greedy(drafts, parents, valid, jnp.argmax(target_probs, axis=-1), stop_ids=spec.stop_ids,
@@ -237,7 +205,7 @@ def accept_tree(spec: EngineSpec, state: DecodeState, target_probs: jax.Array, b
 
 
 def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult, block: KVBlock,
-           logits: jax.Array | None, hidden: jax.Array | None, width_index: jax.Array) -> DecodeState:
+           logits: jax.Array, hidden: jax.Array | None, width_index: jax.Array) -> DecodeState:
     """Writes the pass's keys/values (a tree's accepted path first, so that slots lengths + j hold
     [t0, path] as a chain's would), appends each live row's emitted run and moves the committed
     lengths (the rollback of rejected drafts: their slots lie past the new lengths); then the
@@ -245,8 +213,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
     if result.path is not None:  # verify input of the run's j-th token: t0, then the path's nodes
         order = jnp.pad(jnp.where(result.path >= 0, result.path + 1, 0), ((0, 0), (1, 0)))  # i32[B,G+1]
         block = block.take(order)
-        if logits is not None:
-            logits = jnp.take_along_axis(logits, order[:, :, None], axis=1)
+        logits = jnp.take_along_axis(logits, order[:, :, None], axis=1)
         if hidden is not None:
             hidden = jnp.take_along_axis(hidden, order[:, :, None, None], axis=1)
     cache = state.cache.write_block(block)
@@ -299,7 +266,8 @@ def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> D
 @functools.partial(jax.jit, static_argnums=0)
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
-    result, logits, hidden, block, width_index = target_pass(spec, params.target, state)
+    logits, hidden, block, width_index = target_pass(spec, params.target, state)
+    result = accept(spec, state, target_law(spec, state, logits))
     return stop_reasons(spec, state.done, commit(spec, params, state, result, block, logits, hidden, width_index))
 
 
