@@ -95,7 +95,10 @@ def medusa_heads() -> MedusaDrafter:
 # gamma "auto": a fixed policy (not a calibration, so the run is deterministic) under which the
 # batch's shape changes from round to round as the estimates move
 AUTO_POLICY = ShapePolicy((0, 1, 3), (1.0, 1.2, 1.5), (0.0, 0.1, 0.3), prior=0.9)
-AUTO_TREE_POLICY = ShapePolicy((0, 2, 7), (1.0, 1.02, 2.0), (0.0, 0.1, 0.1), prior=0.9, learn=1.0, tree=True)  # decoy tree
+# decoy tree; rows alike, so that the batch keeps changing between its tree sizes (weighed by rounds left, its
+# rows diverge after learn=1.0 and the batch goes plain; the chain policy above keeps the weights)
+AUTO_TREE_POLICY = ShapePolicy((0, 2, 7), (1.0, 1.02, 2.0), (0.0, 0.1, 0.1), prior=0.9, learn=1.0, tree=True,
+                               weigh_rows=False)
 
 
 @functools.cache
@@ -135,8 +138,8 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     assert metrics.draft_tokens > N and metrics.accepted_tokens > N / 10, metrics
     if gamma is not None:  # (a tree drafts many nodes per accepted one)
         assert 0.1 < metrics.acceptance_rate < 0.99, metrics
-    if gamma == "auto":  # the shape changed between rounds, and some rounds speculated
-        assert sum(w > 0 for w in metrics.width_rounds) >= 2 and sum(metrics.width_rounds[1:]) > 0, metrics
+    if gamma == "auto":  # the shape changed between rounds: some verified one draft (two nodes), some three (7)
+        assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
         gamma = None if drafter == "decoy-model" else AUTO_POLICY.max_gamma
     if gamma is None:  # a tree: rounds verified 3 nodes or more, and accepted paths of depth 2
         assert metrics.position_proposed[2] > N / 10 and metrics.position_accepted[1] > 0, metrics

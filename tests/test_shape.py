@@ -119,9 +119,8 @@ def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
     bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=costs, max_new_tokens=H.MAX_NEW)
     assert bad.metrics.width_rounds[0] >= 0.75 * bad.loop_rounds, bad.metrics  # plain steps, a few probes
     good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=costs, max_new_tokens=H.MAX_NEW)
-    # it widens as each depth is seen accepted, soon verifying 2 or 4 drafts
-    assert sum(good.metrics.width_rounds[-2:]) >= 0.6 * good.loop_rounds, good.metrics
-    assert good.metrics.mean_accepted_length > 3.0
+    assert good.metrics.width_rounds[-1] >= 0.4 * good.loop_rounds, good.metrics  # the widest chain, soon
+    assert good.metrics.mean_accepted_length > 3.5
     for out in (bad, good):
         assert out.tokens == H.reference_no_eos().tokens
 

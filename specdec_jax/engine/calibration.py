@@ -6,16 +6,18 @@ size, KV capacity, the drafter's hidden layers), and splits each round's seconds
 into the drafter's proposal and the rest (target pass, law, acceptance, commit).
 It times them the way the loop runs them: several rounds in a loop per timed
 call, each call donating its state, so no timing includes a copy, and one
-program (the forced shape is loop state) serves every shape. `calibrated_costs` caches the costs on disk, one JSON
-file per device, target, drafter, batch, capacity (rounded up to a power of
-two: attention over the slots is a small part of a step) and gammas, under
+program (the forced shape is loop state) serves every shape. `calibrated_costs`
+caches the costs on disk, one JSON file per device, target, drafter, batch,
+capacity (rounded up to a power of two: attention over the slots is a small
+part of a step) and gammas, under
 `$SPECDEC_CACHE/calibration/` (`refresh=True` measures again), and
 `shape_policy` turns them into a `engine.shape.ShapePolicy` (units of T1, one
 plain round).
 
 `time_target_pass` and `time_draft_step` time the pieces alone (`bench`'s cost
-model for a fixed gamma). Measuring takes a few seconds plus a compile per
-draft length and one for the rounds; the cache makes the next run free.
+model for a fixed gamma). Measuring takes under a minute on this CPU (at
+batches 1 and 4), most of it a compile per draft length and one for the rounds;
+the cache makes the next run free.
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
       drafting gammas[d_i] and verifying gammas[i] (`time_rounds`), its drafting taken out, so
       the rest of the round (target pass in its `lax.switch`, law, acceptance, commit, the
       drafter's commit hook) is priced as the program runs it, not as a target pass alone.
-      d_i = i for a chain, G for a tree; a free drafter (its proposal under FREE_DRAFTS of a target pass: the n-gram lookup)
-      always drafts G, so its rounds are R(G, i);
+      d_i = i for a chain, G for a tree; a free drafter (its proposal under FREE_DRAFTS of a
+      target pass: the n-gram lookup) always drafts G, so its rounds are R(G, i);
     - T1 = verify_s[0], a plain decoding round.
 
     ``rounds`` keeps every R(d, v) measured, by "d,v".
