@@ -101,9 +101,15 @@ def _generate(args) -> int:
     from specdec_jax.runner import run, stats_line
     from specdec_jax.sharding import initialize_distributed
 
-    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    cfg = config_from_args(args)
-    report = run(cfg)
+    distributed = initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    try:
+        report = run(config_from_args(args))
+    finally:
+        if distributed:
+            # Every process leaves the coordination service at one barrier, before interpreter
+            # teardown. Left to atexit, process 0 can take the service down while a peer still
+            # polls it, and the peer aborts (SIGABRT) after its work is done.
+            jax.distributed.shutdown()
     for r in report["results"]:
         print(f"=== {r['id']} ({r['stop_reason']}, {len(r['tokens'])} tokens)\n{r['text']}\n")
     print(stats_line(report))
