@@ -240,12 +240,17 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
     return ShapePolicy(tuple(costs["gammas"]), verify, draft, **estimator)
 
 
+# How costs are measured, and the revision of the forward pass they were measured on: changing
+# either makes every cached calibration stale.
+METHOD = "rounds in a loop, drafting less an idle step; forward pass r2 (plain products on CPU)"
+
+
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
     """What the costs depend on: how they are measured, device, target architecture, drafter, batch,
     capacity, gammas."""
     model, _ = resolve_target(target)
     device = jax.devices()[0]
-    return json.dumps({"method": "rounds in a loop, drafting less an idle step",
+    return json.dumps({"method": METHOD,
                        "device": f"{device.platform}:{device.device_kind}:{jax.device_count()}",
                        "jax": jax.__version__, "target": repr(model), "drafter": repr(drafter), "batch": batch,
                        "capacity": capacity, "gammas": list(gammas)})

@@ -228,26 +228,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     return out.reshape(batch, steps, num_heads, head_dim)
 
 
-# XLA CPU multiplies a few rows by a weight matrix at well under the bandwidth of
-# its one-row (matrix-vector) path; one matrix-vector product per row re-reads the
-# weights from cache instead. Measured on SmolLM2-135M, 5 rows: 145 -> 116 ms.
-# Small matrices (tiny test models) are cache-resident either way and keep the
-# plain product, which compiles faster.
-CPU_ROWWISE_MAX_ROWS = 8
-CPU_ROWWISE_MIN_BYTES = 1 << 20
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x: [B,S,in] @ w: [in,out]``; on CPU with 2..8 rows and a weight of >= 1 MiB,
-    one matrix-vector product per row."""
-    rows = x.shape[0] * x.shape[1]
-    if (jax.default_backend() != "cpu" or not 1 < rows <= CPU_ROWWISE_MAX_ROWS
-            or w.size * w.dtype.itemsize < CPU_ROWWISE_MIN_BYTES):
-        return x @ w
-    flat = x.reshape(rows, x.shape[-1])
-    return jnp.stack([flat[i] @ w for i in range(rows)]).reshape(*x.shape[:-1], w.shape[-1])
-
-
 def apply(
     cfg: LlamaConfig,
     params: Mapping[str, jax.Array],
@@ -317,9 +297,9 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
     for index in range(cfg.num_layers):
         w = {name: params[name][index] for name in LAYER_PARAMS}
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
-        k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
-        v = heads(linear(h, w["wv"]), cfg.num_kv_heads)
+        q = apply_rope(heads(h @ w["wq"], cfg.num_heads), cos, sin)
+        k = apply_rope(heads(h @ w["wk"], cfg.num_kv_heads), cos, sin)
+        v = heads(h @ w["wv"], cfg.num_kv_heads)
         if defer_writes:
             attn = attention(q, cache.k[index], cache.v[index], visible, (k, v, own))
             new_k.append(k)
@@ -327,9 +307,9 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
         else:
             cache = cache.write(index, k, v)
             attn = attention(q, cache.k[index], cache.v[index], visible)
-        x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
+        x = x + attn.reshape(batch, steps, -1) @ w["wo"]
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
         after_layer[index] = x
     if defer_writes:
         return x, after_layer, KVBlock(tuple(new_k), tuple(new_v))
