@@ -15,6 +15,7 @@ from specdec_jax.sampling import (
     PenaltyCounts,
     RowSampling,
     SamplingParams,
+    first_argmax,
     process_logits,
     sample,
     token_counts,
@@ -137,6 +138,17 @@ def test_greedy_is_argmax_one_hot_first_on_ties():
     expected = np.eye(V, dtype=np.float32)[logits.argmax(axis=-1)]
     np.testing.assert_array_equal(probs, expected)
     assert probs[1, 2, 7] == 1.0
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_and_infinities():
+    x = random_logits(1, shape=(3, 4, V))
+    x[0, 0, [3, 9, 40]] = x[0, 0].max() + 2.0  # a three-way tie: the first wins
+    x[1, 1, :] = -np.inf  # nothing allowed: index 0, as numpy
+    x[2, 3, [0, V - 1]] = np.inf  # two infinite maxima
+    x[2, 2, V - 1] = x[2, 2].max() + 1.0  # the last index
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got, x.argmax(axis=-1))
+    assert got[0, 0] == 3 and got[1, 1] == 0 and got[2, 3] == 0 and got[2, 2] == V - 1
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
@@ -353,7 +365,7 @@ def test_all_greedy_batch_skips_sampling_path():
         return re.search(rf"= {primitive}\b", text) is not None
 
     text = jaxpr_text(SamplingParams())
-    assert not uses("exp", text) and not uses("div", text) and uses("argmax", text)
+    assert not uses("exp", text) and not uses("div", text) and uses("reduce_max", text)  # first_argmax
     assert uses("exp", jaxpr_text(SamplingParams(temperature=1.0)))
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, Proposal
 from specdec_jax.rng import Purpose, for_purpose
-from specdec_jax.sampling import PenaltyCounts, RowSampling, process_logits
+from specdec_jax.sampling import PenaltyCounts, RowSampling, first_argmax, penalize, process_logits
 
 # (carry, token i32[B], index i32[]) -> (logits f32[B,Vo] of draft index + 2, carry): feeds draft index + 1
 NextLogits = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -46,9 +46,12 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     keep_laws = ctx.sampling.any_sampled and corrupt_alpha is None
 
     def pick(logits, counts, index):
-        law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
         keys = ctx.keys[:, index]  # key[B] of this draft's position
-        drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
+        if ctx.sampling.any_sampled:
+            law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
+            drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
+        else:  # every row greedy: the token without the law
+            law, drawn = None, first_argmax(penalize(logits, ctx.sampling, counts))
         token = drawn if vocab_map is None else vocab_map[drawn]
         if corrupt_alpha is not None:
             token = _corrupt(keys, token, corrupt_alpha, vocab_size)
@@ -76,12 +79,10 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
 
 
 def _draw(keys, law, sampling: RowSampling):
-    """i32[B]: argmax for greedy rows, a draw from `law` f32[B,V] for sampled rows."""
-    greedy = jnp.argmax(law, axis=-1)
-    if not sampling.any_sampled:
-        return greedy.astype(jnp.int32)
+    """i32[B]: a draw from `law` f32[B,V] for sampled rows, the argmax (the one-hot's index) for
+    greedy rows."""
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(law))
-    return jnp.where(sampling.temperature == 0, greedy, drawn).astype(jnp.int32)
+    return jnp.where(sampling.temperature == 0, first_argmax(law), drawn).astype(jnp.int32)
 
 
 def _corrupt(keys, token, alpha: float, vocab: int):

@@ -30,6 +30,7 @@ from specdec_jax.engine.round import (
     position_keys,
     run_loop,
     stop_reasons,
+    target_argmax,
     target_law,
     target_pass,
     verify_step,
@@ -53,5 +54,5 @@ __all__ = [
     "shape_policy", "tree_sizes",
     "GenerationResult", "Prepared", "accept", "accept_tree", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",
-    "target_law", "target_pass", "validate", "verify_step",
+    "target_argmax", "target_law", "target_pass", "validate", "verify_step",
 ]

@@ -35,6 +35,7 @@ import numpy as np
 
 from specdec_jax.engine.shape import FREE_DRAFTS, ShapePolicy
 from specdec_jax.kv_cache import ordered_read
+from specdec_jax.sampling import first_argmax
 from specdec_jax.target import chain_positions, resolve_target
 
 AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
@@ -81,7 +82,7 @@ def time_target_pass(run, width: int, repeats: int = 7) -> float:
             tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
             logits, _, block = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width), None,
                                                  spec.hidden_layers, defer_writes=True)
-            return jnp.argmax(logits, axis=-1), block
+            return first_argmax(logits), block
 
         cache = carry[0]
         top, block = ordered_read(read, cache)

@@ -7,9 +7,10 @@
 
     target_pass   the target over [t0, d1..dG] at slots lengths + s, positions lengths + s (a chain)
                   or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`)
-    target_law    the processed law p at each verified position (penalties, temperature, filters)
-    accept        the verification rule: accepted drafts, correction or bonus, stop/budget cut
-                  (`verify` for chains, `verify_tree` for trees)
+    target_law    the processed law p at each verified position (penalties, temperature, filters);
+                  target_argmax its greedy token, when no row samples (no law is built then)
+    accept        the verification rule on the pass's logits: accepted drafts, correction or
+                  bonus, stop/budget cut (`verify` for chains, `verify_tree` for trees)
     commit        the pass's keys/values (a tree's accepted path moved to the front, so the cache
                   holds a chain again), tokens, cache lengths (the rollback), record_top_k, the
                   drafter's hook, metrics
@@ -40,7 +41,7 @@ from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
 from specdec_jax.engine import shape
 from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
 from specdec_jax.kv_cache import KVBlock, ordered_read
-from specdec_jax.sampling import PenaltyCounts, process_logits
+from specdec_jax.sampling import PenaltyCounts, first_argmax, penalize, process_logits
 from specdec_jax.target import chain_positions
 from specdec_jax.verify import VerifyResult, verify_greedy, verify_stochastic
 from specdec_jax.verify_tree import verify_tree_greedy, verify_tree_stochastic
@@ -168,39 +169,50 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState):
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
-    """f32[B,G+1,V]: the processed target law at each verified position (DESIGN section 6);
-    penalties count the committed tokens plus the drafts before each position."""
-    counts = None
-    if state.sampling.use_penalties:
-        history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
-        parents = state.proposal.parents
-        counts = history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
-    return process_logits(logits, state.sampling, counts)
+    """f32[B,G+1,V]: the processed target law at each verified position (DESIGN section 6)."""
+    return process_logits(logits, state.sampling, _penalty_counts(spec, state))
 
 
-def accept(spec: EngineSpec, state: DecodeState, target_probs: jax.Array) -> VerifyResult:
-    """The verification rule: greedy when no row samples, else speculative sampling (greedy rows
-    of a mixed batch have one-hot laws, for which it reduces to the greedy rule)."""
+def target_argmax(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
+    """i32[B,G+1]: the greedy target token at each verified position (the law's one-hot when no
+    row samples), without building the law."""
+    return first_argmax(penalize(logits, state.sampling, _penalty_counts(spec, state)))
+
+
+def _penalty_counts(spec: EngineSpec, state: DecodeState) -> PenaltyCounts | None:
+    """Penalties count the committed tokens plus the drafts before each verified position."""
+    if not state.sampling.use_penalties:
+        return None
+    history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
+    parents = state.proposal.parents
+    return history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
+
+
+def accept(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> VerifyResult:
+    """The verification rule over the target's logits f32[B,G+1,V]: greedy (on `target_argmax`)
+    when no row samples, else speculative sampling on `target_law` (greedy rows of a mixed batch
+    have one-hot laws, for which it reduces to the greedy rule); `accept_tree` for a tree."""
     drafts, num_draft, draft_probs, parents = state.proposal
     budget = state.max_new - (state.num_tokens - state.prompt_lens)
     if parents is not None:
-        return accept_tree(spec, state, target_probs, budget)
+        return accept_tree(spec, state, logits, budget)
     if state.sampling.any_sampled:
-        return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs, target_probs, num_draft,
-                                 stop_ids=spec.stop_ids, budget=budget)
-    return verify_greedy(drafts, jnp.argmax(target_probs, axis=-1), num_draft, stop_ids=spec.stop_ids, budget=budget)
+        return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs,
+                                 target_law(spec, state, logits), num_draft, stop_ids=spec.stop_ids, budget=budget)
+    return verify_greedy(drafts, target_argmax(spec, state, logits), num_draft, stop_ids=spec.stop_ids, budget=budget)
 
 
-def accept_tree(spec: EngineSpec, state: DecodeState, target_probs: jax.Array, budget: jax.Array) -> VerifyResult:
+def accept_tree(spec: EngineSpec, state: DecodeState, logits: jax.Array, budget: jax.Array) -> VerifyResult:
     """The tree rules (`verify_tree`) over the nodes a row proposed that lie within its room."""
     drafts, num_draft, draft_probs, parents = state.proposal
     depth = tree.structure(parents)[0][:, 1:]
     valid = (jnp.arange(spec.gamma)[None, :] < num_draft[:, None]) & (depth <= draft_room(spec, state)[:, None])
     if state.sampling.any_sampled:
         return verify_tree_stochastic(position_keys(state, spec.gamma + 1), drafts, parents, valid, draft_probs,
-                                      target_probs, without_replacement=spec.drafter.without_replacement,
+                                      target_law(spec, state, logits),
+                                      without_replacement=spec.drafter.without_replacement,
                                       stop_ids=spec.stop_ids, budget=budget)
-    return verify_tree_greedy(drafts, parents, valid, jnp.argmax(target_probs, axis=-1), stop_ids=spec.stop_ids,
+    return verify_tree_greedy(drafts, parents, valid, target_argmax(spec, state, logits), stop_ids=spec.stop_ids,
                               budget=budget)
 
 
@@ -267,7 +279,7 @@ def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> D
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
     logits, hidden, block, width_index = target_pass(spec, params.target, state)
-    result = accept(spec, state, target_law(spec, state, logits))
+    result = accept(spec, state, logits)
     return stop_reasons(spec, state.done, commit(spec, params, state, result, block, logits, hidden, width_index))
 
 
