@@ -90,7 +90,7 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
     records = records if records is not None else prompt_records(cfg)
     tok = target.tokenizer
     encoded = [encode(tok, r["prompt"], cfg.raw) for r in records]
-    results, parts, wall = [], [], 0.0
+    results, parts, policies, wall = [], [], [], 0.0
     batches = range(0, len(records), cfg.batch_size)
     for start in tqdm(batches, desc=f"{cfg.drafter if cfg.effective_gamma else 'plain'} decoding",
                       unit="batch", disable=not progress, delay=0.5):  # delay: no bar before a first-batch error
@@ -102,13 +102,15 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
         )
         wall += out.wall_s
         parts.append(out.metrics)
+        policies.append(dataclasses.asdict(out.policy) if out.policy is not None else None)
         for record, ids, tokens, reason in zip(records[start:], chunk, out.tokens, out.stop_reasons):
             results.append({**record, "prompt_tokens": ids, "tokens": tokens, "text": tok.decode(tokens),
                             "stop_reason": reason})
     metrics = Metrics.combine(parts)
     summary = {k: v for k, v in metrics.to_dict().items() if k not in ("position_proposed", "position_accepted")}
     summary.update(wall_s=wall, tokens_per_s=metrics.emitted_tokens / wall if wall else float("nan"))
-    return {"config": cfg.to_dict(), "results": results, "metrics": summary}
+    # shape_policies: per batch, the costs (units of T1) and constants gamma "auto" decided with
+    return {"config": cfg.to_dict(), "results": results, "metrics": summary, "shape_policies": policies}
 
 
 def shape_label(cfg: RunConfig) -> str:

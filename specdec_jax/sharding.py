@@ -35,16 +35,22 @@ indices, over ``data`` (B x K x S x D floats per layer, never the cache itself).
 
 Multi-host: every process runs the same program on the same prompts after
 :func:`initialize_distributed`; a mesh then spans every process's devices and
-each process gets the whole output.
+each process gets the whole output. Whatever a process decides from its own
+clock (the shape policy's calibrated costs) is taken from process 0
+(:func:`same_on_every_process`): processes that compiled different constants,
+or ran a different number of programs, would leave each other waiting in a
+collective.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -193,3 +199,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         return False
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
+
+
+def same_on_every_process(value):
+    """``value`` (anything JSON can hold) as process 0 has it, on every process; ``value`` itself
+    in a single-process run. Every process must call it at the same point (it is a collective)."""
+    if jax.process_count() == 1:
+        return value
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    padded = np.zeros(size, np.uint8)
+    padded[: min(size, data.size)] = data[:size]
+    return json.loads(bytes(multihost_utils.broadcast_one_to_all(padded)).decode())

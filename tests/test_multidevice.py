@@ -102,14 +102,18 @@ def free_port() -> int:
 def test_two_processes_match_one(tmp_path, capsys):
     """Two processes with 2 CPU devices each, mesh data=2,model=2 (data across the processes),
     started with --coordinator-address / --num-processes / --process-id: each writes the same
-    tokens as one process on one device."""
+    tokens as one process on one device. Both start from an empty cache, so both calibrate
+    gamma "auto": they must decide with process 0's costs (each process's own clock gives other
+    costs, other compiled constants, and the processes once hung in mismatched collectives
+    until the shutdown barrier aborted them)."""
     address = f"127.0.0.1:{free_port()}"
+    env = {**cpu_env(2), "SPECDEC_CACHE": str(tmp_path / "cache")}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "specdec_jax.cli", *MULTIHOST_ARGS, "--mesh", "data=2,model=2",
              "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i),
              "--json", str(tmp_path / f"process{i}.json")],
-            env=cpu_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)
     ]
     try:
@@ -121,8 +125,11 @@ def test_two_processes_match_one(tmp_path, capsys):
 
     assert main([*MULTIHOST_ARGS, "--json", str(tmp_path / "single.json")]) == 0
     capsys.readouterr()
-    tokens = [[r["tokens"] for r in json.loads((tmp_path / f"{name}.json").read_text())["results"]]
-              for name in ("single", "process0", "process1")]
+    reports = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("single", "process0", "process1")]
+    assert "calibrating shapes" in logs[0][0] and "calibrating shapes" in logs[1][0]
+    assert reports[1]["shape_policies"] == reports[2]["shape_policies"]
+    assert reports[1]["shape_policies"][0]["gammas"] == [0, 1, 2, 4]
+    tokens = [[r["tokens"] for r in report["results"]] for report in reports]
     assert tokens[0] == tokens[1] == tokens[2]
     assert all(len(t) == 8 or t[-1] == 257 for t in tokens[0])
 

@@ -36,6 +36,7 @@ import numpy as np
 from specdec_jax.engine.shape import FREE_DRAFTS, ShapePolicy
 from specdec_jax.kv_cache import ordered_read
 from specdec_jax.sampling import first_argmax
+from specdec_jax.sharding import same_on_every_process
 from specdec_jax.target import chain_positions, resolve_target
 
 AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
@@ -181,14 +182,15 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
         draft = [0.0] + [max(0.0, time_draft_step(run, max(gammas)) - idle)] * last
     else:
         draft = [0.0] + [max(0.0, time_draft_step(run, g) - idle) for g in gammas[1:]]
-    free = draft[-1] <= FREE_DRAFTS * time_target_pass(run, 1)
+    # Decisions from timings are process 0's: every process of a multi-host run must run the same programs.
+    free = same_on_every_process(draft[-1] <= FREE_DRAFTS * time_target_pass(run, 1))
     for _ in range(2):  # again under the other program if the policy's own test (by T1) says otherwise
         run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, policy=policy(free)))
         pairs = [(last, v) for v in range(last + 1)] if free else (
             [(0, 0)] + [(last if tree else v, v) for v in range(1, last + 1)])
         rounds = time_rounds(run, pairs, repeats, rounds=loop)
         verify = [t - draft[d] for (d, _), t in zip(pairs, rounds)]
-        if free == (draft[-1] <= FREE_DRAFTS * verify[0]):
+        if same_on_every_process(free == (draft[-1] <= FREE_DRAFTS * verify[0])):
             break
         free = not free
     return {"T1": verify[0], "verify_s": verify, "draft_s": draft, "gammas": list(gammas),
@@ -209,14 +211,17 @@ def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, re
     if path.is_file() and not refresh:
         saved = json.loads(path.read_text())
         costs = saved["costs"] if saved.get("key") == key else None
+    # A multi-host run takes process 0's costs (cached or measured): one policy, one program everywhere.
+    costs = same_on_every_process(costs)
     if costs is None:
         print(f"calibrating shapes {list(gammas)} on {jax.devices()[0].device_kind} (batch {batch}, capacity "
               f"{capacity}; cached in {path.parent})", flush=True)
-        costs = measure_costs(target, drafter, batch, capacity, gammas, tree)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
-        tmp.replace(path)
+        costs = same_on_every_process(measure_costs(target, drafter, batch, capacity, gammas, tree))
+        if jax.process_index() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
+            tmp.replace(path)
     return {**costs, "tree": tree}
 
 

@@ -103,4 +103,5 @@ def generate(
         wall_s=wall,
         loop_rounds=int(step),
         target_top=top,
+        policy=run.spec.policy,
     )

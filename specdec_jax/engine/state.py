@@ -112,3 +112,4 @@ class GenerationResult:
     # record_top_k > 0: per prompt, (ids i32[n,k], log-probs f32[n,k]) of the target's law (temperature 1,
     # no filters) that each of its n emitted tokens was chosen under
     target_top: list[tuple[np.ndarray, np.ndarray]] | None = None
+    policy: ShapePolicy | None = None  # the shape policy the run decided with (gamma "auto"), else None
