@@ -45,7 +45,8 @@ def generate_json(tmp_path, capsys, *args, name="out.json"):
 
 def test_generate_prints_texts_stats_and_writes_json(tmp_path, capsys):
     report, captured = generate_json(tmp_path, capsys, "--prompt", "hello hello", "--prompt", "abcabcabc")
-    assert set(report) == {"config", "results", "metrics"}
+    assert set(report) == {"config", "results", "metrics", "shape_policies"}
+    assert report["shape_policies"] == [None, None]  # one per batch (of 1); a fixed gamma (4) has no policy
     cfg = report["config"]
     assert (cfg["model"], cfg["drafter"], cfg["gamma"], cfg["raw"], cfg["max_new_tokens"]) == (
         "tiny-random", "ngram", 4, True, 8)
