@@ -16,8 +16,8 @@ Rules (``H`` hidden, ``N``/``K`` query/KV heads of size ``D``, ``I`` MLP width,
 ``V`` vocab, ``B`` rows, ``T`` KV slots; layer weights may carry a leading
 ``[L]`` axis, which is never sharded)::
 
-    wq [H, N*D], wk / wv [H, K*D], w_gate / w_up [H, I]   P(None, 'model')
-    wo [N*D, H], w_down [I, H]                             P('model', None)
+    wq [N*D, H], wk / wv [K*D, H], w_gate / w_up [I, H]   P('model', None)
+    wo [H, N*D], w_down [H, I]                             P(None, 'model')
     embed [V, H], lm_head [H, V], norms                    replicated
     KV cache  k [B, K, T, D], v [B, K, D, T] per layer     P('data', 'model')
     loop state with a batch axis, e.g. i32[B], i32[B,Tbuf] P('data')
@@ -61,8 +61,8 @@ from specdec_jax.kv_cache import KVCache
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., in, out]: out on `model`
-ROW_PARALLEL = ("wo", "w_down")  # [.., in, out]: in on `model`
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., out, in]: out on `model`
+ROW_PARALLEL = ("wo", "w_down")  # [.., out, in]: in on `model`
 # state fields without a batch axis: Counters' per-position and per-width counts, a calibration's forced shape
 UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds", "forced_shape")
 
@@ -110,9 +110,9 @@ def check_model_axis(mesh: Mesh, config, what: str = "the model") -> None:
 def param_spec(name: str, ndim: int) -> P:
     """PartitionSpec of weight ``name`` (see the module docstring) with ``ndim`` axes."""
     if name in COLUMN_PARALLEL:
-        return P(*[None] * (ndim - 1), MODEL)
-    if name in ROW_PARALLEL:
         return P(*[None] * (ndim - 2), MODEL, None)
+    if name in ROW_PARALLEL:
+        return P(*[None] * (ndim - 1), MODEL)
     return P()
 
 

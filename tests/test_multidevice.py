@@ -62,7 +62,7 @@ def assert_meshes_agree(report: dict) -> None:
             assert outputs["shardings"] == {
                 "cache_before": [cache], "cache_after": [cache],
                 "tokens_before": ["P('data',)"], "tokens_after": ["P('data',)"],
-                "wq": ["P(None, 'model')"], "wo": ["P('model', None)"],
+                "wq": ["P('model', None)"], "wo": ["P(None, 'model')"],
             }, mesh
     assert "mesh axis model=4 does not divide num_kv_heads = 2 of the target" in report["indivisible_error"]
 
@@ -184,8 +184,8 @@ def test_bench_and_demo_refuse_a_mesh(capsys):
 def test_sharding_rules():
     mesh = sharding.make_mesh("data=1")
     assert mesh.shape == {"data": 1, "model": 1}
-    assert sharding.param_spec("wq", 2) == P(None, "model") and sharding.param_spec("wq", 3) == P(None, None, "model")
-    assert sharding.param_spec("w_down", 2) == P("model", None) and sharding.param_spec("wo", 3) == P(None, "model", None)
+    assert sharding.param_spec("wq", 2) == P("model", None) and sharding.param_spec("wq", 3) == P(None, "model", None)
+    assert sharding.param_spec("w_down", 2) == P(None, "model") and sharding.param_spec("wo", 3) == P(None, None, "model")
     assert sharding.param_spec("embed", 2) == P() and sharding.param_spec("final_norm", 1) == P()
     target, drafter = h.target(), h.model_drafter()
     state = jax.eval_shape(lambda: engine.prepare(target, h.RAGGED, drafter, gamma=h.GAMMA).state)  # no compile

@@ -18,6 +18,7 @@ import numpy as np
 
 from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, eagle_shapes
 from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_shapes
+from specdec_jax.models.llama import LAYOUT, from_in_out_layout
 
 HEAD_MARKER = "specdec_head.json"
 KINDS = {  # kind -> (config class, drafter class, shapes of the weights)
@@ -37,7 +38,8 @@ def save_head(folder: str | pathlib.Path, kind: str, config, arrays: dict, targe
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(folder / "params", {k: np.asarray(v) for k, v in arrays.items()}, force=True)
     checkpointer.wait_until_finished()
-    marker = {"kind": kind, "config": dataclasses.asdict(config), "target": target, "info": info or {}}
+    marker = {"kind": kind, "config": dataclasses.asdict(config), "target": target, "layout": LAYOUT,
+              "info": info or {}}
     (folder / HEAD_MARKER).write_text(json.dumps(marker, indent=1, default=lambda x: x.tolist()))
     return folder
 
@@ -62,6 +64,8 @@ def load_head(path: str | pathlib.Path, kind: str | None = None):
         arrays = {k: np.asarray(v) for k, v in ocp.StandardCheckpointer().restore(folder / "params").items()}
     except Exception as err:  # orbax and json raise many kinds; name the folder
         raise ValueError(f"{folder}: cannot read the head ({err.__class__.__name__}: {err})") from None
+    if marker.get("layout") != LAYOUT:  # saved before the [out, in] layout of the decoder layer's matrices
+        arrays = from_in_out_layout(arrays)
     if kind is not None and marker["kind"] != kind:
         raise ValueError(f"{folder} holds a {marker['kind']} head, not a {kind} head")
     expected = shapes(config)

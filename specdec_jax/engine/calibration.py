@@ -248,7 +248,7 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
 
 # How costs are measured, and the revision of the forward pass they were measured on: changing
 # either makes every cached calibration stale.
-METHOD = "rounds in a loop, drafting less an idle step; forward pass r2 (plain products on CPU)"
+METHOD = "rounds in a loop, drafting less an idle step; forward pass r3 (layer matrices [out, in])"
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:

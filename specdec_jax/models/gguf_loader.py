@@ -17,7 +17,7 @@ from specdec_jax.models.llama import LlamaConfig, param_shapes
 
 SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 
-# GGUF tensor name (per block) -> our stacked weight name, transposed to [in, out] when a matrix.
+# GGUF tensor name (per block) -> our stacked weight name (matrices stay [out, in], as GGUF stores them).
 LAYER_TENSORS = {
     "attn_norm": "attn_norm",
     "attn_q": "wq",
@@ -65,7 +65,7 @@ def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfi
                 w = unpermute_rope_rows(w, config.num_heads)
             elif gguf_name == "attn_k":
                 w = unpermute_rope_rows(w, config.num_kv_heads)
-            layers.append(w if w.ndim == 1 else w.T)
+            layers.append(w)
         arrays[ours] = np.stack(layers)
     for name, shape in param_shapes(config).items():
         if arrays[name].shape != shape:

@@ -6,29 +6,37 @@ arrays (random init, loading, ``nnx.split``/optimizers), and :func:`split_model`
 hands out ``(apply_fn, params)`` for jitted decode loops.
 
 Weight layout (``L`` layers, ``H`` hidden, ``N``/``K`` query/kv heads of size
-``D``, ``I`` MLP width, ``V`` vocab). Matrices are ``[in, out]`` so ``y = x @ w``;
-a Hugging Face ``nn.Linear.weight`` is ``[out, in]`` and must be transposed, then
-stacked over layers (HF's q/k weights already use the rotate-half RoPE order)::
+``D``, ``I`` MLP width, ``V`` vocab). Layer matrices are ``[out, in]``, as a
+Hugging Face ``nn.Linear.weight`` (stacked over layers; HF's q/k weights already
+use the rotate-half RoPE order), and :func:`linear` computes ``x @ w.T``::
 
     embed       [V, H]          model.embed_tokens.weight
     attn_norm   [L, H]          layers.*.input_layernorm.weight
-    wq          [L, H, N*D]     layers.*.self_attn.q_proj.weight.T
-    wk          [L, H, K*D]     layers.*.self_attn.k_proj.weight.T
-    wv          [L, H, K*D]     layers.*.self_attn.v_proj.weight.T
-    wo          [L, N*D, H]     layers.*.self_attn.o_proj.weight.T
+    wq          [L, N*D, H]     layers.*.self_attn.q_proj.weight
+    wk          [L, K*D, H]     layers.*.self_attn.k_proj.weight
+    wv          [L, K*D, H]     layers.*.self_attn.v_proj.weight
+    wo          [L, H, N*D]     layers.*.self_attn.o_proj.weight
     mlp_norm    [L, H]          layers.*.post_attention_layernorm.weight
-    w_gate      [L, H, I]       layers.*.mlp.gate_proj.weight.T
-    w_up        [L, H, I]       layers.*.mlp.up_proj.weight.T
-    w_down      [L, I, H]       layers.*.mlp.down_proj.weight.T
+    w_gate      [L, I, H]       layers.*.mlp.gate_proj.weight
+    w_up        [L, I, H]       layers.*.mlp.up_proj.weight
+    w_down      [L, H, I]       layers.*.mlp.down_proj.weight
     final_norm  [H]             model.norm.weight
     lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
+
+Why ``[out, in]``: XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
+about the cost of one matrix-vector product, where ``x @ w [in, out]`` cost
+2-2.5x a 1-row product from 2 rows on (this project's 2-core CPU, SmolLM2-135M's
+30 layers alone: batch 1, 3 / 5 tokens 61 / 76 -> 42 / 57 ms; batch 4, 1 token
+75 -> 56 ms; batch 16, 1 token 156 -> 102 ms). Weights saved in the earlier
+``[in, out]`` layout (folders without ``"layout": "out_in"``) are transposed on
+load (:func:`from_in_out_layout`).
 
 A draft with a reduced output vocabulary (``output_vocab_size = Vo < V``, for a
 cheap head) has ``lm_head [H, Vo]`` and ``vocab_map i32[Vo]``: logit ``j`` is
 token ``vocab_map[j]``. Its input embedding keeps all ``V`` rows.
 
 :meth:`Llama.params` hands the layer weights out as tuples of ``L`` separate
-arrays (``params["wq"][i]: [H, N*D]``), not stacked: XLA CPU copies a slice of a
+arrays (``params["wq"][i]: [N*D, H]``), not stacked: XLA CPU copies a slice of a
 stacked array before every matmul, which tripled the cost of a decode step.
 :func:`forward` accepts either form (it indexes ``params[name][i]``).
 
@@ -64,6 +72,8 @@ from specdec_jax.target import FINAL_NORM, chain_positions
 Params = dict[str, jax.Array | tuple[jax.Array, ...]]
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, out, in]
+LAYOUT = "out_in"  # what saved folders record of the layer matrices' layout
 
 # Random init: embeddings and head ~ N(0, (LOGIT_STD / sqrt(H))^2) so that the
 # logits of a unit-RMS final hidden state have std ~ LOGIT_STD (a clear argmax,
@@ -122,14 +132,14 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {
         "embed": (V, H),
         "attn_norm": (L, H),
-        "wq": (L, H, q_out),
-        "wk": (L, H, kv_out),
-        "wv": (L, H, kv_out),
-        "wo": (L, q_out, H),
+        "wq": (L, q_out, H),
+        "wk": (L, kv_out, H),
+        "wv": (L, kv_out, H),
+        "wo": (L, H, q_out),
         "mlp_norm": (L, H),
-        "w_gate": (L, H, I),
-        "w_up": (L, H, I),
-        "w_down": (L, I, H),
+        "w_gate": (L, I, H),
+        "w_up": (L, I, H),
+        "w_down": (L, H, I),
         "final_norm": (H,),
     }
     if cfg.output_vocab_size is not None:
@@ -156,9 +166,28 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
         if name == "vocab_map":  # the first output_vocab_size ids
             params[name] = np.arange(shape[0], dtype=np.int32)
             continue
+        if name in LAYER_MATRICES:  # drawn [in, out], as before the layout changed: the same random models
+            drawn = (1.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape[:-2] + (shape[-1], shape[-2])))
+            params[name] = np.ascontiguousarray(np.swapaxes(drawn.astype(np.float32), -1, -2))
+            continue
         std = embed_std if name in ("embed", "lm_head") else 1.0 / math.sqrt(shape[-2])
         params[name] = (std * rng.standard_normal(shape)).astype(np.float32)
     return params
+
+
+def from_in_out_layout(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` saved in the layout before ``[out, in]`` (layer matrices ``[L, in, out]``), in
+    today's layout."""
+    return {name: np.ascontiguousarray(np.swapaxes(a, -1, -2)) if name in LAYER_MATRICES else a
+            for name, a in arrays.items()}
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., in] @ w.T`` for ``w [out, in]``, computed as ``w . x`` (``[out, ...]``, x's axes kept)
+    and transposed back: the form XLA CPU runs at matrix-vector speed for a few rows (module
+    docstring). Flattening x's rows first ([out, B*S]) was slower here (30 layers, batch 1, 3
+    tokens: 45 vs 31 ms; batch 4, 1 token: 44-56 vs 29-34 ms)."""
+    return jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x), 0, -1)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -297,9 +326,9 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
     for index in range(cfg.num_layers):
         w = {name: params[name][index] for name in LAYER_PARAMS}
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(heads(h @ w["wq"], cfg.num_heads), cos, sin)
-        k = apply_rope(heads(h @ w["wk"], cfg.num_kv_heads), cos, sin)
-        v = heads(h @ w["wv"], cfg.num_kv_heads)
+        q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
+        k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
+        v = heads(linear(h, w["wv"]), cfg.num_kv_heads)
         if defer_writes:
             attn = attention(q, cache.k[index], cache.v[index], visible, (k, v, own))
             new_k.append(k)
@@ -307,9 +336,9 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
         else:
             cache = cache.write(index, k, v)
             attn = attention(q, cache.k[index], cache.v[index], visible)
-        x = x + attn.reshape(batch, steps, -1) @ w["wo"]
+        x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
         after_layer[index] = x
     if defer_writes:
         return x, after_layer, KVBlock(tuple(new_k), tuple(new_v))
@@ -318,8 +347,8 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
 
 def lm_head(cfg: LlamaConfig, params: Mapping[str, jax.Array], normed: jax.Array) -> jax.Array:
     """f32[B,S,V] logits (``[B,S,Vo]`` with a reduced output vocabulary) of final-norm states ``[B,S,H]``."""
-    if cfg.tie_embeddings:  # contract with embed [V, H] directly: `embed.T` gets copied inside loops
-        logits = jnp.einsum("bsh,vh->bsv", normed, params["embed"])
+    if cfg.tie_embeddings:  # embed [V, H] is [out, in] (`embed.T` would be copied inside loops)
+        logits = linear(normed, params["embed"])
     else:
         logits = normed @ params["lm_head"]
     return logits.astype(jnp.float32)

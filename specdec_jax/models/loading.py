@@ -15,16 +15,16 @@ import sys
 import numpy as np
 
 from specdec_jax.models.fetch import cache_dir, sha256_of, smollm2_gguf
-from specdec_jax.models.llama import Llama, LlamaConfig
+from specdec_jax.models.llama import LAYOUT, Llama, LlamaConfig, from_in_out_layout
 from specdec_jax.models.registry import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
 # Version of a converted-cache entry, part of its folder name: an entry of another version is
 # converted again. v2: config.json has max_positions (v1 folders, a bare sha256, lack it).
-CACHE_FORMAT = "v2"
+CACHE_FORMAT = "v3"  # v3: layer matrices [out, in] (models.llama)
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
-HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices transposed)
+HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices as they are: [out, in])
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
     "wk": "self_attn.k_proj.weight",
@@ -112,7 +112,7 @@ def save_model_dir(folder: str | pathlib.Path, loaded: LoadedModel, info: dict |
     else:
         kind = "hf"
         loaded.tokenizer.save(folder)
-    marker = {"config": dataclasses.asdict(loaded.config), "tokenizer": kind, "info": info or {}}
+    marker = {"config": dataclasses.asdict(loaded.config), "tokenizer": kind, "layout": LAYOUT, "info": info or {}}
     (folder / MODEL_DIR_MARKER).write_text(json.dumps(marker, indent=1, default=_jsonable))
     return folder
 
@@ -134,6 +134,8 @@ def load_model_dir(folder: str | pathlib.Path) -> LoadedModel:
         arrays = {k: np.asarray(v) for k, v in ocp.StandardCheckpointer().restore(folder / "params").items()}
     except Exception as err:  # orbax raises many kinds; name the folder
         raise ValueError(f"{folder}: cannot read the model ({err.__class__.__name__}: {err})") from None
+    if marker.get("layout") != LAYOUT:  # saved before the [out, in] layout
+        arrays = from_in_out_layout(arrays)
     check_vocab_map(config, arrays, folder)
     tokenizer = ByteTokenizer() if marker["tokenizer"] == "byte" else _hf_tokenizer(folder)
     return LoadedModel(Llama.from_arrays(config, arrays), config, tokenizer)
@@ -154,7 +156,7 @@ def check_vocab_map(config: LlamaConfig, arrays: dict[str, np.ndarray], where) -
 
 
 def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF Llama state dict (numpy) -> our stacked [in, out] layout."""
+    """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: layer matrices [L, out, in])."""
 
     def get(name):
         if name not in weights:
@@ -166,7 +168,7 @@ def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, 
         arrays["lm_head"] = get("lm_head.weight").T
     for ours, theirs in HF_LAYER_WEIGHTS.items():
         layers = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
-        arrays[ours] = np.stack([w if w.ndim == 1 else w.T for w in layers])
+        arrays[ours] = np.stack(layers)
     return arrays
 
 
