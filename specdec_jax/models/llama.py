@@ -167,11 +167,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
             params[name] = np.arange(shape[0], dtype=np.int32)
             continue
         if name in LAYER_MATRICES:  # drawn [in, out], as before the layout changed: the same random models
-            drawn = (1.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape[:-2] + (shape[-1], shape[-2])))
+            drawn = 1.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape[:-2] + (shape[-1], shape[-2]))
             params[name] = np.ascontiguousarray(np.swapaxes(drawn.astype(np.float32), -1, -2))
             continue
-        std = embed_std if name in ("embed", "lm_head") else 1.0 / math.sqrt(shape[-2])
-        params[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+        params[name] = (embed_std * rng.standard_normal(shape)).astype(np.float32)  # embed, lm_head
     return params
 
 
