@@ -89,6 +89,12 @@ def continuation_logits(config, params, prompt: list[int], new: int) -> tuple[np
     logits, _ = forward(config, params, jnp.asarray(seqs), config.init_cache(len(seqs), seqs.shape[1]))
     start = len(prompt)
     x = np.asarray(logits, np.float64)[:, start - 1 : start - 1 + new]  # float64 on the host from here
+    # Rows sharing a prefix take its logits from one row (the first of its block): a batched pass
+    # may round them differently per row (1e-7 here), and the law would then miss 1 by ~1e-8.
+    rows = np.arange(len(seqs))
+    for i in range(new):
+        block = vocab ** (new - i)
+        x[:, i] = x[rows // block * block, i]
     return seqs, x
 
 
