@@ -19,6 +19,7 @@ import pytest
 import engine_helpers as H
 from specdec_jax import engine, theory
 from specdec_jax.engine import ShapePolicy, calibration, shape
+from specdec_jax.sampling import SamplingParams
 
 GAMMAS = (0, 1, 2, 4)
 CPU_COSTS = (1.0, 1.38, 1.46, 1.79)  # Tv(g + 1) / T1 measured on the project's CPU (DESIGN section 11)
@@ -112,6 +113,19 @@ def test_auto_is_lossless(name):
     out = engine.generate(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
     assert out.tokens == H.reference_no_eos().tokens
     assert sum(out.metrics.width_rounds) == out.loop_rounds
+
+
+def test_penalised_greedy_auto_equals_plain_decoding():
+    """Each width's branch reduces its logits to penalised argmaxes (`round.keeps_logits`): the
+    counts it penalises with are the ones of its own columns. The exact oracle drafts penalised
+    argmaxes, so it is accepted through every width the policy runs."""
+    sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2)
+    ref = engine.generate(H.target(), H.RAGGED, max_new_tokens=H.MAX_NEW, sampling=sampling)
+    out = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=policy((0.0, 0.1, 0.2, 0.4)),
+                          max_new_tokens=H.MAX_NEW, sampling=sampling)
+    assert out.tokens == ref.tokens
+    assert out.tokens != H.reference_no_eos().tokens  # the penalties change the output
+    assert out.metrics.mean_accepted_length > 3.0, out.metrics
 
 
 def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():

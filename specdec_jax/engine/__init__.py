@@ -29,6 +29,7 @@ from specdec_jax.engine.round import (
     draft_step,
     position_keys,
     run_loop,
+    TargetPass,
     stop_reasons,
     target_argmax,
     target_law,
@@ -50,7 +51,7 @@ from specdec_jax.engine.state import (
 
 __all__ = [
     "AUTO", "AUTO_GAMMAS", "CAPACITY", "EOS", "LENGTH", "RUNNING", "STOP_REASONS", "DecodeState", "EngineParams",
-    "EngineSpec", "ShapePolicy", "auto_shapes", "calibrated_costs", "measure_costs", "policy_from_costs",
+    "EngineSpec", "ShapePolicy", "TargetPass", "auto_shapes", "calibrated_costs", "measure_costs", "policy_from_costs",
     "shape_policy", "tree_sizes",
     "GenerationResult", "Prepared", "accept", "accept_tree", "commit", "decode_round", "default_capacity", "draft_room",
     "draft_step", "generate", "position_keys", "prefill", "prepare", "prompt_bucket", "run_loop", "stop_reasons",

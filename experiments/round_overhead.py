@@ -1,0 +1,109 @@
+"""What a round of `--gamma auto` costs when it verifies nothing, against a plain decoding round.
+
+    python experiments/round_overhead.py [--batches 1 4 16 32] [--capacities 512 1024] [--repeats 5]
+
+A shape policy's program runs every round through the draft and verify
+`lax.switch`es, and carries columns for the widest shape; when it chooses
+gamma 0 it should cost what plain decoding (gamma 0, no policy) costs. For each
+batch size and KV capacity this times, on SmolLM2-135M with the n-gram drafter
+and rows of 64 random tokens, rounds in a loop as the decoding loop runs them
+(`engine.calibration.time_rounds`' method: 8 rounds per timed call, the state
+donated): plain rounds, and auto rounds forced to draft and verify nothing
+(`DecodeState.forced_shape` (0, 0)), and auto rounds forced to the widest shape.
+The two programs alternate, so a change in the machine's load hits both; medians
+of ``--repeats``. Writes JSON and a markdown table to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.drafters import NgramDrafter
+from specdec_jax.engine.batching import prepare
+from specdec_jax.engine.round import decode_round
+from specdec_jax.engine.shape import ShapePolicy
+from specdec_jax.engine.calibration import AUTO_GAMMAS, CALIBRATION_PROMPT, CALIBRATION_ROUNDS
+from specdec_jax.models import load_model
+
+ROUNDS = CALIBRATION_ROUNDS
+
+
+def loop_of_rounds(run):
+    """A jitted ``state -> state`` of ROUNDS rounds of ``run``'s program, the state donated."""
+    return jax.jit(lambda params, state: jax.lax.fori_loop(
+        0, ROUNDS, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
+
+
+def time_programs(programs: dict, repeats: int) -> dict:
+    """Median seconds per round of each ``name -> (step, fresh_state)``, timed in turn."""
+    for step, fresh in programs.values():  # compile and warm up
+        jax.block_until_ready(step(fresh()))
+    times = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, (step, fresh) in programs.items():
+            state = jax.block_until_ready(fresh())
+            start = time.perf_counter()
+            jax.block_until_ready(step(state))
+            times[name].append((time.perf_counter() - start) / ROUNDS)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/round_overhead"))
+    args = parser.parse_args(argv)
+
+    target = load_model(args.model)
+    drafter = NgramDrafter()
+    gammas = AUTO_GAMMAS
+    policy = ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) * len(gammas))
+    widest = len(gammas) - 1
+    records = []
+    for capacity in args.capacities:
+        for batch in args.batches:
+            prompts = np.random.default_rng(0).integers(0, target.config.vocab_size,
+                                                        (batch, CALIBRATION_PROMPT)).tolist()
+            budget = ROUNDS * (max(gammas) + 1) + 2
+            plain = prepare(target, prompts, None, gamma=0, max_new_tokens=budget, capacity=capacity)
+            auto = prepare(target, prompts, drafter, policy=policy, max_new_tokens=budget, capacity=capacity)
+            copy = lambda run, **kw: jax.tree.map(jnp.copy, run.state.replace(**kw))  # noqa: E731
+            forced = lambda d, v: jnp.array([d, v], jnp.int32)  # noqa: E731
+            plain_step, auto_step = loop_of_rounds(plain), loop_of_rounds(auto)
+            seconds = time_programs({
+                "plain": (lambda s: plain_step(plain.params, s), lambda: copy(plain)),
+                "auto_none": (lambda s: auto_step(auto.params, s), lambda: copy(auto, forced_shape=forced(0, 0))),
+                "auto_widest": (lambda s: auto_step(auto.params, s),
+                                lambda: copy(auto, forced_shape=forced(widest, widest))),
+            }, args.repeats)
+            record = {"batch": batch, "capacity": capacity, **{f"{k}_ms": 1e3 * v for k, v in seconds.items()},
+                      "none_over_plain": seconds["auto_none"] / seconds["plain"],
+                      "widest_over_plain": seconds["auto_widest"] / seconds["plain"]}
+            print(json.dumps(record), flush=True)
+            records.append(record)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "round_overhead.json").write_text(json.dumps(records, indent=1))
+    lines = ["| capacity | batch | plain ms | auto, nothing verified ms | ratio | auto, widest ms | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['capacity']} | {r['batch']} | {r['plain_ms']:.1f} | {r['auto_none_ms']:.1f} | "
+              f"{r['none_over_plain']:.3f} | {r['auto_widest_ms']:.1f} | {r['widest_over_plain']:.2f} |"
+              for r in records]
+    (args.out / "round_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
