@@ -64,7 +64,10 @@ def test_report_has_categories_and_cost_model(report):
     assert report["overall"]["prompts"] == 2
     target = load_model("tiny-random")
     for batch, text in zip(report["batches"], ["abc abc abc abc abc abc", "tell me"]):
-        assert batch["plain_tokens"] == batch["spec_tokens"] == NEW - 1  # decode phase: the first token is prefill's
+        assert batch["plain_tokens"] == batch["spec_tokens"] == NEW  # decode phase: the loop emits every token
+        for mode in ("plain", "spec"):  # the loop's own seconds, timed inside each run; prefill is the rest
+            assert 0 < batch[f"{mode}_s"] < batch["end_to_end_s"][mode]
+            assert batch["prefill_s"][mode] > 0
         assert batch["tie_aware_equal"] == [True] and batch["exact_equal"] == [True]
         prompt = encode(target.tokenizer, text, raw=True)
         output = engine.generate(target, [prompt], max_new_tokens=NEW).tokens[0]  # plain decoding

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -84,7 +85,8 @@ def generate(
         eos_id=eos_id, stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
         mesh=mesh,
     )
-    state = run.state
+    state = jax.block_until_ready(run.state)
+    loop_start = time.perf_counter()
     if python_loop:
         while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
             state = decode_round(run.spec, run.params, state)
@@ -92,7 +94,8 @@ def generate(
         state = run_loop(run.spec, run.params, state)
     tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
         (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
-    wall = time.perf_counter() - start
+    end = time.perf_counter()
+    wall, decode = end - start, end - loop_start
     lens, num_rows = run.prompt_lens, run.num_rows
     if top is not None:
         top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
@@ -102,6 +105,7 @@ def generate(
         metrics=Metrics.from_counters(counters, num_rows),
         wall_s=wall,
         loop_rounds=int(step),
+        decode_s=decode,
         target_top=top,
         policy=run.spec.policy,
     )

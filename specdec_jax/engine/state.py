@@ -109,6 +109,7 @@ class GenerationResult:
     metrics: Metrics
     wall_s: float  # whole call, compile included on a first call
     loop_rounds: int  # while_loop iterations
+    decode_s: float  # the decoding loop alone (after prefill; its compile on a first call, output to the host)
     # record_top_k > 0: per prompt, (ids i32[n,k], log-probs f32[n,k]) of the target's law (temperature 1,
     # no filters) that each of its n emitted tokens was chosen under
     target_top: list[tuple[np.ndarray, np.ndarray]] | None = None
