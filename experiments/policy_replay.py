@@ -76,19 +76,20 @@ def proposals(drafter, sequence: list[int], prompt_len: int, gamma: int) -> tupl
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _round(policy: ShapePolicy, acceptance, live, found, accepted, room):
+def _round(policy: ShapePolicy, acceptance, share, live, found, accepted, room):
     """One round as `engine.round.draft_step` takes it, rows [B]: the draft choice (a free drafter
     always drafts G; a chain's first g drafts are its G-draft proposal's), the verify choice, the
-    drafts verified and accepted, the new estimates."""
+    drafts verified and accepted, the new estimates and shares of rounds with drafts found."""
     gammas = jnp.asarray(policy.gammas)
-    weight = shape.row_weights(policy, acceptance, live, room)
+    weight = shape.row_weights(policy, acceptance, live, room, share)
     drafted = jnp.asarray(len(policy.gammas) - 1) if policy.free_drafts else shape.choose_draft(
         policy, acceptance, weight, room)
     found = jnp.where(live, jnp.minimum(jnp.minimum(found, room), gammas[drafted]), 0)
+    share = shape.update_found(policy, share, live & (room > 0) & (drafted > 0), found)
     chosen = shape.choose_verify(policy, acceptance, weight, found, drafted)
     verified = jnp.minimum(found, gammas[chosen])
     accepted = jnp.minimum(accepted, verified)
-    return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted)
+    return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted), share
 
 
 def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_new: int,
@@ -102,15 +103,15 @@ def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_n
         tables[:, b, : len(table[0])] = table
     position, cost = np.zeros(batch, np.int64), 0.0
     widths = [0] * len(policy.gammas)
-    acceptance = policy.initial(batch)
+    acceptance, share = policy.initial(batch), jnp.ones(batch, jnp.float32)
     while (position < steps).any():
         live = position < steps
         at = np.minimum(position, max_new)
         room = np.where(live, max_new - position - 1, 0)
-        drafted, chosen, n, acceptance = _round(policy, acceptance, jnp.asarray(live),
-                                                jnp.asarray(tables[0, np.arange(batch), at]),
-                                                jnp.asarray(tables[1, np.arange(batch), at]),
-                                                jnp.asarray(room, jnp.int32))
+        drafted, chosen, n, acceptance, share = _round(policy, acceptance, share, jnp.asarray(live),
+                                                       jnp.asarray(tables[0, np.arange(batch), at]),
+                                                       jnp.asarray(tables[1, np.arange(batch), at]),
+                                                       jnp.asarray(room, jnp.int32))
         chosen = int(chosen)
         widths[chosen] += 1
         cost += policy.verify_cost[chosen] + policy.draft_cost[int(drafted)]

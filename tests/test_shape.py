@@ -80,6 +80,20 @@ def test_a_row_ahead_of_the_batch_stops_widening_it():
     assert float(shape.row_weights(policy(), same[:1], live[:1], jnp.array([3]))[0]) == 1.0
 
 
+def test_a_row_that_seldom_finds_drafts_is_the_batch_last_row():
+    """Prompt lookup finds nothing in most rounds of free text, so that row's estimates are seldom
+    observed and stay near the prior; weighed by its share of rounds with drafts, it expects about a
+    token a round and is the row the batch waits for (hand-computed)."""
+    p = policy(learn=0.25)
+    share = shape.update_found(p, jnp.array([1.0, 1.0, 0.5]), jnp.array([True, True, False]), jnp.array([3, 0, 0]))
+    np.testing.assert_allclose(np.asarray(share), [1.0, 0.75, 0.5])  # row 2 did not draft: unchanged
+    acceptance, live, room = jnp.full((2, 4), 0.7), jnp.array([True, True]), jnp.array([100, 100])
+    # E(4) = 1 + 0.7 + 0.49 + 0.343 + 0.2401 = 2.7731; shares 1 and 0.1: E 2.7731 and 1.1773
+    w = np.asarray(shape.row_weights(p, acceptance, live, room, jnp.array([1.0, 0.1])))
+    np.testing.assert_allclose(w, [1.1773 / 2.7731, 1.0], rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(shape.row_weights(p, acceptance, live, room)), [1.0, 1.0])
+
+
 def test_estimates_learn_what_was_verified_and_drift_where_nothing_was():
     p = policy(prior=0.5, learn=0.5, relax=0.1, follow=0.2)
     a = jnp.array([[0.6, 0.6, 0.6, 0.6], [0.6, 0.6, 0.6, 0.6], [0.2, 0.8, 0.6, 0.6]])
@@ -183,20 +197,21 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
     calls = []
 
     def fake(target, drafter, batch, capacity, gammas, tree=False):
-        calls.append(batch)
+        calls.append((batch, capacity))
         return {"T1": 0.01, "verify_s": [0.01, 0.012, 0.014, 0.02], "draft_s": [0.0, 0.001, 0.002, 0.004],
                 "gammas": list(gammas)}
 
     monkeypatch.setattr(calibration, "measure_costs", fake)
     first = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
-    again = calibration.shape_policy(H.target(), H.ngram(), 4, 100)  # the same power-of-two capacity
-    assert calls == [4] and first == again
+    again = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
+    assert calls == [(4, 128)] and first == again
     assert first.verify_cost == pytest.approx((1.0, 1.2, 1.4, 2.0)) and first.draft_cost[-1] == pytest.approx(0.4)
     calibration.shape_policy(H.target(), H.ngram(), 8, 128)  # another batch: measured apart
+    calibration.shape_policy(H.target(), H.ngram(), 4, 192)  # another capacity (a pass reads all of it): apart
     calibration.shape_policy(H.target(), H.ngram(), 4, 128, refresh=True)
-    assert calls == [4, 8, 4]
+    assert calls == [(4, 128), (8, 128), (4, 192), (4, 128)]
     saved = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
-    assert len(saved) == 2 and all('"batch": ' in s["key"] for s in saved)
+    assert len(saved) == 3 and all('"batch": ' in s["key"] for s in saved)
 
 
 def test_a_cheaper_wider_shape_is_kept_and_preferred():

@@ -73,6 +73,7 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
         if spec.record_top_k else None,
         acceptance=None if spec.policy is None else spec.policy.initial(batch),
+        draft_found=None if spec.policy is None else jnp.ones((batch,), jnp.float32),
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)

@@ -8,8 +8,9 @@ It times them the way the loop runs them: several rounds in a loop per timed
 call, each call donating its state, so no timing includes a copy, and one
 program (the forced shape is loop state) serves every shape. `calibrated_costs`
 caches the costs on disk, one JSON file per device, target, drafter, batch,
-capacity (rounded up to a power of two: attention over the slots is a small
-part of a step) and gammas, under
+capacity (the run's own: at batch 16 every pass reads the whole cache, and a
+width-2 round cost 1.37 T1 at capacity 704 but 1.22 at 1024, so costs measured
+at a capacity rounded up priced wide passes too cheap) and gammas, under
 `$SPECDEC_CACHE/calibration/` (`refresh=True` measures again), and
 `shape_policy` turns them into a `engine.shape.ShapePolicy` (units of T1, one
 plain round).
@@ -204,7 +205,6 @@ def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, re
 
     default, tree = auto_shapes(drafter)
     gammas = tuple(sorted({0, *map(int, default if gammas is None else gammas)}))
-    capacity = 1 << (capacity - 1).bit_length()  # one calibration per power-of-two capacity
     key = calibration_key(target, drafter, batch, capacity, gammas)
     path = cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     costs = None
@@ -249,7 +249,7 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
 # How costs are measured, and the revision of the forward pass they were measured on: changing
 # either makes every cached calibration stale.
 METHOD = ("rounds in a loop, drafting less an idle step; forward pass r3 (layer matrices [out, in]); "
-          "greedy rounds reduce logits inside the width branch")
+          "greedy rounds reduce logits inside the width branch; the run's capacity")
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:

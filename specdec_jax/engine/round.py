@@ -77,11 +77,11 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
         target=spec.target,
     )
-    policy, live, forced = spec.policy, ~state.done, state.forced_shape
+    policy, live, forced, found = spec.policy, ~state.done, state.forced_shape, state.draft_found
     if policy is None or forced is not None:
         drafted = None if policy is None else forced[0]
     else:
-        weight = shape.row_weights(policy, state.acceptance, live, room)
+        weight = shape.row_weights(policy, state.acceptance, live, room, found)
         drafted = shape.choose_draft(policy, state.acceptance, weight, room)
     if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
@@ -91,12 +91,14 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
+        found = shape.update_found(policy, found, (room > 0) & (jnp.asarray(policy.gammas)[drafted] > 0), num_draft)
         if forced is None:
             verified = shape.choose_verify(policy, state.acceptance, weight, num_draft, drafted, usable)
             num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
         else:  # every live row verifies the forced count; drafts the drafter did not find are padding
             num_draft = jnp.minimum(cap, jnp.asarray(policy.gammas, jnp.int32)[forced[1]])
-    return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state)
+    return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state,
+                         draft_found=found)
 
 
 def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, ctx: DraftContext,

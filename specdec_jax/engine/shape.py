@@ -14,7 +14,10 @@ chain of g drafts are
 Each round, on device:
 
 0. each live row gets a weight (`row_weights`): its expected rounds left,
-   (room + 1) / E_row(G), over the largest among the live rows. A batch runs
+   (room + 1) / E, over the largest among the live rows, with
+   E = 1 + f (E_row(G) - 1) and f the row's share of recent rounds whose
+   drafter found drafts (a row of free text under prompt lookup finds few,
+   and its estimates, seldom observed, stay near the prior). A batch runs
    until its last row ends, so tokens of a row far ahead of the others (one
    that copies, or has little budget left) shorten nothing, and that row stops
    pulling the whole batch's verify pass wider; rows alike weigh alike, and a
@@ -126,16 +129,29 @@ def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, 
     return 1.0 + jnp.take_along_axis(accepted, drafts, axis=1)
 
 
-def row_weights(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, room: jax.Array) -> jax.Array:
+def row_weights(policy: ShapePolicy, acceptance: jax.Array, live: jax.Array, room: jax.Array,
+                found: jax.Array | None = None) -> jax.Array:
     """f32[B]: how much a row's tokens shorten the batch, 0 for finished rows (step 0 of the module
-    docstring): the row's expected rounds left, (room + 1) / E_row(the widest shape), over the
-    largest among the live rows; with ``policy.weigh_rows`` off, 1 for every live row."""
+    docstring): the row's expected rounds left, (room + 1) / E, over the largest among the live
+    rows, where E = 1 + found (E_row(the widest shape) - 1) and ``found`` f32[B] is the row's share
+    of rounds whose drafter found drafts (`update_found`; None: every round); with
+    ``policy.weigh_rows`` off, 1 for every live row."""
     if not policy.weigh_rows:
         return live.astype(jnp.float32)
     limit = jnp.where(room > 0, policy.max_gamma, 0) if policy.tree else room
-    rounds = (room + 1) / expected_tokens(acceptance, limit, (policy.max_gamma,), policy.tree)[:, 0]
+    gain = expected_tokens(acceptance, limit, (policy.max_gamma,), policy.tree)[:, 0] - 1.0
+    rounds = (room + 1) / (1.0 + (gain if found is None else found * gain))
     rounds = jnp.where(live, rounds, 0.0)
     return rounds / jnp.maximum(jnp.max(rounds), 1e-6)
+
+
+def update_found(policy: ShapePolicy, found: jax.Array, drafting: jax.Array, num_draft: jax.Array) -> jax.Array:
+    """f32[B]: each row's share of rounds whose drafter found drafts, moved (weight ``learn``) toward
+    this round's outcome (num_draft i32[B] > 0) in the rows that drafted (``drafting`` bool[B]).
+    A row that seldom finds any (free text under prompt lookup) expects about one token a round
+    whatever its acceptance estimates say, so `row_weights` sees it as the batch's last row."""
+    outcome = (num_draft > 0).astype(found.dtype)
+    return jnp.where(drafting, found + policy.learn * (outcome - found), found)
 
 
 def _best(policy: ShapePolicy, acceptance, weight, limit, draft_cost, allowed=None, usable=None) -> jax.Array:

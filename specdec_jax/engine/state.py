@@ -97,6 +97,7 @@ class DecodeState:
     step: jax.Array  # i32[] loop iterations so far
     target_top: tuple[jax.Array, jax.Array] | None = None  # (i32, f32)[B,Tbuf,k] record_top_k's buffers
     acceptance: jax.Array | None = None  # f32[B,G] per-row acceptance estimates (engine.shape); None without a policy
+    draft_found: jax.Array | None = None  # f32[B] per-row share of rounds whose drafter found drafts (engine.shape)
     # i32[2] (draft index, verify index into policy.gammas) that every round takes, every live row verifying
     # that many drafts found or not (engine.calibration times whole rounds so); None: the policy chooses
     forced_shape: jax.Array | None = None
