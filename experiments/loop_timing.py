@@ -1,0 +1,68 @@
+"""The decoding loop alone on one held-out batch: plain vs auto that never verifies vs calibrated auto.
+
+    python experiments/loop_timing.py [--batch-size 16] [--repeats 5]
+
+Prefill is done once per program (`engine.prepare`); each timed call runs
+`engine.run_loop` on a copy of the prefilled state (copied before the clock
+starts), the three programs in turn, so the machine's load hits them alike.
+"never" is the shape policy's program with every verify width priced out of
+reach: what auto costs when it chooses plain steps only. The batch is the first
+``--batch-size`` held-out questions of the heads' split (two per category, at
+most 1024 prompt tokens: `experiments/auto_shape.py`'s batches), n-gram drafter,
+greedy, 128 new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from policy_replay import questions
+
+from specdec_jax import engine
+from specdec_jax.config import RunConfig
+from specdec_jax.engine import AUTO_GAMMAS, ShapePolicy, run_loop
+from specdec_jax.models import load_model
+from specdec_jax.runner import build_drafter, encode, stop_ids
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    cfg = RunConfig(max_new_tokens=128)
+    target = load_model(cfg.model)
+    tok, drafter = target.tokenizer, build_drafter(cfg, target)
+    records = questions("heldout", 2, lambda q: len(encode(tok, q["turns"][0], cfg.raw)) <= 1024)
+    prompts = [encode(tok, r["prompt"], cfg.raw) for r in records[: args.batch_size]]
+    capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, max(AUTO_GAMMAS))
+    never = ShapePolicy(AUTO_GAMMAS, (1.0,) + (1e9,) * (len(AUTO_GAMMAS) - 1), (0.0,) * len(AUTO_GAMMAS))
+    programs = {"plain": dict(drafter=None, gamma=0), "never": dict(drafter=drafter, policy=never),
+                "auto": dict(drafter=drafter)}
+    runs = {name: engine.prepare(target, prompts, kw["drafter"], gamma=kw.get("gamma"), policy=kw.get("policy"),
+                                 max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids(cfg, tok), capacity=capacity)
+            for name, kw in programs.items()}
+    seconds, last = {name: [] for name in runs}, {}
+    for repeat in range(args.repeats + 1):  # the first pass compiles
+        for name, run in runs.items():
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, run.state))
+            start = time.perf_counter()
+            last[name] = jax.block_until_ready(run_loop(run.spec, run.params, state))
+            if repeat:
+                seconds[name].append(time.perf_counter() - start)
+    print(f"batch {len(prompts)}, capacity {capacity}, {args.repeats} repeats")
+    plain = statistics.median(seconds["plain"])
+    for name, state in last.items():
+        rounds = int(state.step)
+        median = statistics.median(seconds[name])
+        print(f"{name:6s} {1e3 * median / rounds:6.1f} ms/round, {rounds} rounds, {plain / median:.3f}x plain, "
+              f"widths {state.counters.width_rounds.tolist()}, runs {[round(s, 2) for s in seconds[name]]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
