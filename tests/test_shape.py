@@ -143,7 +143,8 @@ def test_penalised_greedy_auto_equals_plain_decoding():
 
 
 def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
-    costs = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8))  # one draft pays from a > 0.4
+    # one draft pays from a > 0.4; a prior of 0.7 (not the default 0.5) opens with the widest chain
+    costs = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8), prior=0.7)
     bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=costs, max_new_tokens=H.MAX_NEW)
     assert bad.metrics.width_rounds[0] >= 0.75 * bad.loop_rounds, bad.metrics  # plain steps, a few probes
     good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=costs, max_new_tokens=H.MAX_NEW)
