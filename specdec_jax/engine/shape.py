@@ -68,6 +68,12 @@ import jax
 import jax.numpy as jnp
 
 FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is treated as free
+# A chain's prior probes less than 0.7 did: replayed on the training split (experiments/policy_replay.py) it
+# matched 0.7 at batch 1 (1.169x) and beat it at batch 4 (worst batch 0.978 vs 0.956); held out: batch 4 worst
+# 0.977 vs 0.954, batch 1 worst 0.984 vs 0.977, overall 1.184 vs 1.191. A tree's nodes start at TREE_PRIOR^(i+1):
+# from 0.5^(i+1) its deep nodes start so low that it never tries its widest sizes.
+CHAIN_PRIOR = 0.5
+TREE_PRIOR = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +83,8 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    # acceptance assumed before a position is observed: 0.5 probes less than 0.7 did; replayed on the training
-    # split (experiments/policy_replay.py) it matched 0.7 at batch 1 (1.169x) and beat it at batch 4 (worst batch
-    # 0.978 vs 0.956); held out: batch 4 worst 0.977 vs 0.954, batch 1 worst 0.984 vs 0.977, overall 1.184 vs 1.191
-    prior: float = 0.5
+    # acceptance assumed before a position is observed; None: CHAIN_PRIOR, or TREE_PRIOR for a tree
+    prior: float | None = None
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
@@ -92,6 +96,8 @@ class ShapePolicy:
         object.__setattr__(self, "gammas", gammas)
         object.__setattr__(self, "verify_cost", tuple(float(c) for c in self.verify_cost))
         object.__setattr__(self, "draft_cost", tuple(float(c) for c in self.draft_cost))
+        if self.prior is None:
+            object.__setattr__(self, "prior", TREE_PRIOR if self.tree else CHAIN_PRIOR)
         if not gammas or gammas[0] != 0 or any(b <= a for a, b in zip(gammas, gammas[1:])):
             raise ValueError(f"gammas must ascend strictly from 0, got {gammas}")
         if not len(self.verify_cost) == len(self.draft_cost) == len(gammas):
