@@ -21,6 +21,7 @@ from specdec_jax.engine.calibration import (AUTO_GAMMAS, auto_shapes, calibrated
                                          shape_policy, tree_sizes)
 from specdec_jax.engine.generation import generate
 from specdec_jax.engine.round import (
+    TargetPass,
     accept,
     accept_tree,
     commit,
@@ -29,7 +30,6 @@ from specdec_jax.engine.round import (
     draft_step,
     position_keys,
     run_loop,
-    TargetPass,
     stop_reasons,
     target_argmax,
     target_law,

@@ -91,7 +91,7 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
-        found = shape.update_found(policy, found, (room > 0) & (jnp.asarray(policy.gammas)[drafted] > 0), num_draft)
+        found = shape.update_found(policy, found, (room > 0) & (drafted > 0), num_draft)
         if forced is None:
             verified = shape.choose_verify(policy, state.acceptance, weight, num_draft, drafted, usable)
             num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
@@ -168,8 +168,8 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState) -> TargetPa
     else:
         depth, mask = tree.structure(parents)
         positions = state.cache.lengths[:, None] + depth
-    keep = keeps_logits(spec, state)
-    counts = None if keep else _penalty_counts(spec, state)
+    keep, greedy = keeps_logits(spec, state), not state.sampling.any_sampled
+    counts = _penalty_counts(spec, state) if greedy else None
 
     def at_width(width: int):
         def run(cache):
@@ -177,27 +177,24 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState) -> TargetPa
                 target_params, inputs[:, :width], cache, positions[:, :width],
                 None if mask is None else mask[:, :width, :width], spec.hidden_layers, defer_writes=True)
             pad = inputs.shape[1] - width
-            if keep:
-                scores = jnp.pad(logits, ((0, 0), (0, pad), (0, 0)))
-            else:
+            tokens = None
+            if greedy:
                 narrow = None if counts is None else jax.tree.map(lambda c: c[:, :width], counts)
-                scores = jnp.pad(first_argmax(penalize(logits, state.sampling, narrow)), ((0, 0), (0, pad)))
+                tokens = jnp.pad(target_argmax(state, logits, narrow), ((0, 0), (0, pad)))
+            logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0))) if keep else None
             if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
                 hidden = jnp.pad(hidden.transpose(1, 2, 0, 3), ((0, 0), (0, pad), (0, 0), (0, 0)))
-            return scores, hidden, block.padded(inputs.shape[1])
+            return logits, tokens, hidden, block.padded(inputs.shape[1])
         return run
 
     widths = spec.verify_widths
     if len(widths) == 1:  # in a conditional too, or XLA copies the cache each round (`kv_cache.ordered_read`)
         branch = jnp.zeros((), jnp.int32)
-        scores, hidden, block = ordered_read(at_width(widths[0]), state.cache)
+        logits, tokens, hidden, block = ordered_read(at_width(widths[0]), state.cache)
     else:
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
-        scores, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
-    if not keep:
-        return TargetPass(None, scores, hidden, block, branch)
-    greedy = None if state.sampling.any_sampled else target_argmax(spec, state, scores)
-    return TargetPass(scores, greedy, hidden, block, branch)
+        logits, tokens, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
+    return TargetPass(logits, tokens, hidden, block, branch)
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
@@ -205,10 +202,10 @@ def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.A
     return process_logits(logits, state.sampling, _penalty_counts(spec, state))
 
 
-def target_argmax(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
-    """i32[B,G+1]: the greedy target token at each verified position (the law's one-hot when no
-    row samples), without building the law."""
-    return first_argmax(penalize(logits, state.sampling, _penalty_counts(spec, state)))
+def target_argmax(state: DecodeState, logits: jax.Array, counts: PenaltyCounts | None) -> jax.Array:
+    """i32[B,S]: the greedy target token at each of S verified positions (the law's one-hot when
+    no row samples), without building the law; ``counts`` those positions' `_penalty_counts`."""
+    return first_argmax(penalize(logits, state.sampling, counts))
 
 
 def _penalty_counts(spec: EngineSpec, state: DecodeState) -> PenaltyCounts | None:
