@@ -103,19 +103,20 @@ class KVCache:
         clamped onto an earlier slot (``dynamic_update_slice`` would clamp the whole
         block back into range and overwrite committed entries). ``lengths`` is unchanged.
         """
-        batch, steps, num_kv_heads, head_dim = new_k.shape
-        rows = jnp.arange(batch)[:, None, None, None]  # i32[B,1,1,1]
-        kv_heads = jnp.arange(num_kv_heads)[None, :, None, None]  # i32[1,Hkv,1,1]
-        slots = (self.lengths[:, None] + jnp.arange(steps)[None, :])[:, None, :, None]  # i32[B,1,S,1]
-        dims = jnp.arange(head_dim)[None, None, None, :]  # i32[1,1,1,D]
+        batch, steps = new_k.shape[:2]
+        rows = jnp.arange(batch)[:, None]  # i32[B,1]
+        slots = self.lengths[:, None] + jnp.arange(steps)[None, :]  # i32[B,S]
 
+        # (row, slot) index pairs with [Hkv,D] windows: one scatter index per token, not per
+        # element (half the time of an element-wise scatter at batch 16 on this CPU).
         def put(buffers: tuple[jax.Array, ...], index: tuple, values: jax.Array) -> tuple[jax.Array, ...]:
             buf = buffers[layer].at[index].set(values.astype(buffers[layer].dtype), mode="drop",
                                                wrap_negative_indices=False)
             return buffers[:layer] + (buf,) + buffers[layer + 1:]
 
-        return self.replace(k=put(self.k, (rows, kv_heads, slots, dims), new_k.transpose(0, 2, 1, 3)),
-                            v=put(self.v, (rows, kv_heads, dims, slots), new_v.transpose(0, 2, 1, 3)))
+        # Advanced indices split by slices put their [B,S] axes first: the updates are [B,S,Hkv,D].
+        return self.replace(k=put(self.k, (rows, slice(None), slots, slice(None)), new_k),
+                            v=put(self.v, (rows, slice(None), slice(None), slots), new_v))
 
     def write_block(self, block: KVBlock) -> KVCache:
         """Every layer's block keys/values written at slots ``lengths[b] + s`` (as :meth:`write`)."""
