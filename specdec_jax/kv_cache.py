@@ -107,8 +107,8 @@ class KVCache:
         rows = jnp.arange(batch)[:, None]  # i32[B,1]
         slots = self.lengths[:, None] + jnp.arange(steps)[None, :]  # i32[B,S]
 
-        # (row, slot) index pairs with [Hkv,D] windows: one scatter index per token, not per
-        # element (half the time of an element-wise scatter at batch 16 on this CPU).
+        # (row, slot) index pairs with [Hkv,D] windows: one scatter index per token, not per element
+        # (30 layers, batch 16, 5 tokens, timed alone on a 2-core CPU: 0.53 ms against 1.00).
         def put(buffers: tuple[jax.Array, ...], index: tuple, values: jax.Array) -> tuple[jax.Array, ...]:
             buf = buffers[layer].at[index].set(values.astype(buffers[layer].dtype), mode="drop",
                                                wrap_negative_indices=False)
