@@ -10,7 +10,10 @@ them beside the n-gram drafter on held-out Spec-Bench questions.
    from a copy of the EAGLE run's data instead of building it again.
 2. `specdec-jax bench` of each drafter against plain decoding (side by side, in one process) on
    the first `--per-category` held-out questions (never trained on) of every category, batch 1,
-   at each temperature, each drafter at its own gamma (`--gamma DRAFTER=G`).
+   at each temperature, each drafter at `--gamma auto` (the shape chosen per round from this
+   device's measured costs and the row's acceptance) unless `--gamma DRAFTER=G` fixes it. The
+   standalone draft of issue 7 (`draft-model`, left in the cache by
+   `python experiments/train_draft_recipe.py`) is benched beside the heads when it is there.
 
 Writes summary.json (per drafter and temperature: acceptance_pos1, tokens_per_round, speedup,
 speedup_open_ended (writing + roleplay + qa), td_over_t1, tv_over_t1, gamma), table.md (per
@@ -21,6 +24,7 @@ and the heads' training curves to experiments/results/eagle_recipe.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import pathlib
 import shutil
@@ -37,11 +41,23 @@ from specdec_jax.distill.data import split_questions
 from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters.heads import is_head_dir
+from specdec_jax.engine import AUTO
 from specdec_jax.models.fetch import cache_dir
 
 OPEN_ENDED = ("writing", "roleplay", "qa")
 HEAD_CONFIGS = {"eagle": "configs/train/smollm2-eagle.yaml", "medusa": "configs/train/smollm2-medusa.yaml"}
-DEFAULT_GAMMA = {"ngram": 4, "medusa": 3, "eagle": 3}
+DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")
+STANDALONE_DRAFT = "drafts/smollm2-recipe/draft"  # where experiments/train_draft_recipe.py leaves its draft
+
+
+def standalone_draft() -> pathlib.Path | None:
+    """The trained standalone draft in the cache, or None."""
+    draft = cache_dir() / STANDALONE_DRAFT
+    return draft if (draft / "specdec_model.json").is_file() else None
+
+
+def gamma_of(text: str) -> int | str:
+    return text if text == AUTO else int(text)
 
 
 def run_folder(kind: str) -> pathlib.Path:
@@ -74,14 +90,36 @@ def share_data(source: pathlib.Path, target: pathlib.Path) -> None:
         shutil.copytree(source / "data", target / "data")
 
 
-def heldout_prompts_file(folder: pathlib.Path) -> pathlib.Path:
-    """A prompts file (first turns) of the held-out Spec-Bench questions of the heads' split, in `folder`."""
+def held_out_questions() -> list[dict]:
+    """The held-out Spec-Bench questions of the heads' split, each with its `order` within its category."""
     tc = train_config(HEAD_CONFIGS["eagle"])
     _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
+    seen = collections.Counter()
+    for q in held:
+        q["order"] = seen[q["category"]]
+        seen[q["category"]] += 1
+    return held
+
+
+def heldout_prompts_file(folder: pathlib.Path) -> pathlib.Path:
+    """A prompts file (first turns) of the held-out Spec-Bench questions of the heads' split, in `folder`."""
+    held = held_out_questions()
     path = folder / "heldout_prompts.jsonl"
     path.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
                                           "turns": q["turns"][:1]}) for q in held))
     return path
+
+
+def reusable_report(path: pathlib.Path, cfg: RunConfig, per_category: int) -> dict | None:
+    """The bench report at `path` if it benched `cfg` (its prompts file aside) on the first `per_category`
+    held-out questions of each category, else None."""
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    config = {k: v for k, v in json.loads(json.dumps(cfg.to_dict(), default=str)).items() if k != "prompts_file"}
+    wanted = [q["question_id"] for q in held_out_questions() if q["order"] < per_category]
+    same = {k: v for k, v in report["config"].items() if k != "prompts_file"} == config
+    return report if same and [i for b in report["batches"] for i in b["ids"]] == wanted else None
 
 
 def open_ended_speedup(report: dict) -> float:
@@ -97,37 +135,50 @@ def main(argv=None) -> int:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    parser.add_argument("--drafters", nargs="+", default=["ngram", "medusa", "eagle"], choices=list(DEFAULT_GAMMA))
+    parser.add_argument("--drafters", nargs="+", default=None, choices=DRAFTERS,
+                        help="default: ngram, medusa, eagle, and draft-model when the cache holds one")
     parser.add_argument("--sampled-drafters", nargs="+", default=None, metavar="DRAFTER",
-                        help="drafters benched at the non-zero temperatures (default: all of --drafters)")
+                        help="drafters benched at the non-zero temperatures (default: the heads among --drafters)")
     parser.add_argument("--gamma", action="append", default=[], metavar="DRAFTER=G",
-                        help=f"gamma per drafter (default {DEFAULT_GAMMA})")
+                        help="gamma per drafter, an int or auto (default: auto for every drafter)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "eagle_recipe")
+    parser.add_argument("--reuse-benches", action="store_true",
+                        help="keep the bench reports already in --out that ran the same config on the same prompts "
+                             "(e.g. to add the standalone draft without benching the others again)")
     args = parser.parse_args(argv)
-    gammas = dict(DEFAULT_GAMMA, **{k: int(v) for k, v in (g.split("=") for g in args.gamma)})
+    gammas = dict.fromkeys(DRAFTERS, AUTO) | {k: gamma_of(v) for k, v in (g.split("=") for g in args.gamma)}
+    if args.drafters is None:
+        args.drafters = [d for d in DRAFTERS if d != "draft-model" or standalone_draft()]
+    if "draft-model" in args.drafters and not standalone_draft():
+        parser.error(f"no standalone draft in {cache_dir() / STANDALONE_DRAFT}: "
+                     "`python experiments/train_draft_recipe.py` trains one")
 
     tick = time.perf_counter()
-    heads, heldout, train_s = {}, {}, {}
+    heads, heldout, train_s = {"draft-model": standalone_draft()}, {}, {}
     for kind in sorted((d for d in args.drafters if d in HEAD_CONFIGS), key=list(HEAD_CONFIGS).index):
         if kind == "medusa":
             share_data(run_folder("eagle"), run_folder("medusa"))
         heads[kind], heldout[kind], train_s[kind] = trained_head(kind, pathlib.Path(HEAD_CONFIGS[kind]))
     args.out.mkdir(parents=True, exist_ok=True)
-    for kind in heads:
+    for kind in heldout:
         shutil.copy(run_folder(kind) / "training_curve.png", args.out / f"training_curve_{kind}.png")
     tc = train_config(HEAD_CONFIGS["eagle"])
     reports, summary = {}, {}
     with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
         prompts = heldout_prompts_file(pathlib.Path(folder))
         for temperature in args.temperatures:
-            for drafter in args.drafters if temperature == 0 else (args.sampled_drafters or args.drafters):
+            sampled = args.sampled_drafters or [d for d in args.drafters if d in HEAD_CONFIGS]
+            for drafter in args.drafters if temperature == 0 else sampled:
                 cfg = RunConfig(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,
                                 gamma=gammas[drafter], temperature=temperature, max_new_tokens=args.max_new_tokens,
                                 prompts_file=str(prompts))
-                report = bench(cfg, repeats=1, per_category=args.per_category)
                 name = f"{drafter}_t{temperature:g}"
+                path = args.out / f"bench_{name}.json"
+                report = args.reuse_benches and reusable_report(path, cfg, args.per_category)
+                if not report:
+                    report = bench(cfg, repeats=1, per_category=args.per_category)
+                    path.write_text(json.dumps(report, indent=1, default=str))
                 reports[name] = report
-                (args.out / f"bench_{name}.json").write_text(json.dumps(report, indent=1, default=str))
                 o = report["overall"]
                 summary[name] = {
                     "drafter": drafter, "temperature": temperature, "gamma": gammas[drafter],
