@@ -1,20 +1,21 @@
 """The decoding loop alone on one held-out batch: plain vs auto that never verifies vs calibrated auto.
 
-    python experiments/loop_timing.py [--batch-size 16] [--repeats 5]
+    python experiments/loop_timing.py [--batch-size 16] [--repeats 5] [--drafter eagle --draft-model PATH]
 
 Prefill is done once per program (`engine.prepare`); each timed call runs
 `engine.run_loop` on a copy of the prefilled state (copied before the clock
 starts), the three programs in turn, so the machine's load hits them alike.
-"never" is the shape policy's program with every verify width priced out of
+"never" is the shape policy's program (the calibrated one) with every verify width priced out of
 reach: what auto costs when it chooses plain steps only. The batch is the first
 ``--batch-size`` held-out questions of the heads' split (two per category, at
-most 1024 prompt tokens: `experiments/auto_shape.py`'s batches), n-gram drafter,
-greedy, 128 new tokens.
+most 1024 prompt tokens: `experiments/auto_shape.py`'s batches), greedy, 128 new
+tokens, the n-gram drafter unless `--drafter` names another.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -24,7 +25,7 @@ from policy_replay import questions
 
 from specdec_jax import engine
 from specdec_jax.config import RunConfig
-from specdec_jax.engine import AUTO_GAMMAS, ShapePolicy, run_loop
+from specdec_jax.engine import AUTO_GAMMAS, run_loop
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter, encode, stop_ids
 
@@ -33,19 +34,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--draft-model", default=None)
     args = parser.parse_args(argv)
-    cfg = RunConfig(max_new_tokens=128)
+    cfg = RunConfig(max_new_tokens=128, drafter=args.drafter, draft_model=args.draft_model)
     target = load_model(cfg.model)
     tok, drafter = target.tokenizer, build_drafter(cfg, target)
     records = questions("heldout", 2, lambda q: len(encode(tok, q["turns"][0], cfg.raw)) <= 1024)
     prompts = [encode(tok, r["prompt"], cfg.raw) for r in records[: args.batch_size]]
     capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, max(AUTO_GAMMAS))
-    never = ShapePolicy(AUTO_GAMMAS, (1.0,) + (1e9,) * (len(AUTO_GAMMAS) - 1), (0.0,) * len(AUTO_GAMMAS))
-    programs = {"plain": dict(drafter=None, gamma=0), "never": dict(drafter=drafter, policy=never),
-                "auto": dict(drafter=drafter)}
-    runs = {name: engine.prepare(target, prompts, kw["drafter"], gamma=kw.get("gamma"), policy=kw.get("policy"),
-                                 max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids(cfg, tok), capacity=capacity)
-            for name, kw in programs.items()}
+
+    def program(drafter=None, gamma=None, policy=None):
+        return engine.prepare(target, prompts, drafter, gamma=gamma, policy=policy, max_new_tokens=cfg.max_new_tokens,
+                              stop_ids=stop_ids(cfg, tok), capacity=capacity)
+
+    runs = {"plain": program(gamma=0), "auto": program(drafter)}
+    calibrated = runs["auto"].spec.policy  # its draft costs decide whether drafting runs every round
+    never = dataclasses.replace(calibrated, verify_cost=(1.0,) + (1e9,) * (len(calibrated.gammas) - 1))
+    runs = {"plain": runs["plain"], "never": program(drafter, policy=never), "auto": runs["auto"]}
     seconds, last = {name: [] for name in runs}, {}
     for repeat in range(args.repeats + 1):  # the first pass compiles
         for name, run in runs.items():
