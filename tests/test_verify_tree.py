@@ -1,7 +1,7 @@
 """Tree verification: hand cases, chains as the special case, and the sequence law under sampling.
 
-The law tests build, for N rows, a depth-3 tree over a toy model whose laws
-depend on the whole context (tables indexed by the path), verify it once, and
+The law tests build, for N rows, a depth-3 tree (1 to 4 children per node, 24 nodes) over a
+toy model whose laws depend on the whole context (tables indexed by the path), verify it once, and
 extend each emitted run with the target's own draws to 4 tokens. The 4-token
 sequences must then follow the target's sequence law exactly: a chi-square test
 at significance 1e-4 per case (3 cases and a power check: a false alarm on a
@@ -116,7 +116,8 @@ def test_sampling_on_a_chain_draws_what_the_chain_rule_draws(point_mass):
 # --- sampling: the sequence law on a toy model -----------------------------------------------------------
 
 V = 5
-BRANCHING = (3, 2, 2)  # children per node at depths 1, 2, 3: 3 + 6 + 12 = 21 nodes
+# children of the i-th node of each level (cycling): depth 1: 4; depth 2: 3, 2, 2, 1; depth 3: 2, 1, ...
+BRANCHING = ((4,), (3, 2, 2, 1), (2, 1))  # 4 + 8 + 12 = 24 nodes
 ROWS = 300_000
 
 
@@ -137,10 +138,10 @@ def toy_laws(seed):
 def tree_topology():
     """parents i32[N] and depth i32[N] of the fixed tree, breadth first."""
     parents, depth, level = [], [], [-1]
-    for d, width in enumerate(BRANCHING, start=1):
+    for d, widths in enumerate(BRANCHING, start=1):
         nxt = []
-        for parent in level:
-            for _ in range(width):
+        for i, parent in enumerate(level):
+            for _ in range(widths[i % len(widths)]):
                 nxt.append(len(parents))
                 parents.append(parent)
                 depth.append(d)
@@ -174,8 +175,8 @@ def build_trees(kind, p, q, rng):
         remaining = s.copy()
         order = np.argsort(-s + 1e-9 * np.arange(V), axis=1)  # deterministic top ranks
         for i, c in enumerate(children):
-            if kind == "point_mass":  # ranks 0, 0, 1: a duplicate sibling, fixed by the context
-                x = order[:, [0, 0, 1][i]]
+            if kind == "point_mass":  # ranks 0, 0, 1, 2: a duplicate sibling, fixed by the context
+                x = order[:, [0, 0, 1, 2][i]]
             elif kind == "iid":
                 x = draw(rng, s)
             else:
