@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import statistics
 import time
 
@@ -353,11 +354,13 @@ def format_report(report: dict) -> str:
                 f"| {name} | {a['hf_greedy_tokens_per_s']:.1f} | {a['plain_over_hf_greedy']:.2f}x | "
                 f"{a['hf_lookup_tokens_per_s']:.1f} | {a['spec_over_hf_lookup']:.2f}x | "
                 f"{a['hf_greedy_same_as_plain']:.2f} | {a['hf_lookup_same_as_plain']:.2f} |")
-    pos = ", ".join(map(format_rate, report["overall"]["per_position_acceptance"]))
+    rates = report["overall"]["per_position_acceptance"]
+    reached = [r for i, r in enumerate(rates) if not all(math.isnan(x) for x in rates[i:])]  # up to the deepest
+    pos = ", ".join(map(format_rate, reached))
     shapes = ", ".join(f"{w}: {n}" for w, n in zip(report["overall"]["verify_widths"],
                                                    report["overall"]["width_rounds"]))
     depths = ", ".join(f"{d}: {n}" for d, n in enumerate(report["overall"]["accepted_depth_rounds"]))
-    lines += ["", f"per-position acceptance (overall): [{pos}]",
+    lines += ["", f"acceptance by draft position, a tree's by depth (overall): [{pos}]",
               f"accepted drafts per round (accepted: rounds): {depths}; "
               f"{report['overall']['drafts_per_round']:.1f} drafts (tree nodes) verified per round",
               f"verify widths chosen (width: loop rounds, all batches): {shapes}",

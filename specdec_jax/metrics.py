@@ -16,8 +16,8 @@ class Counters:
     drafted: jax.Array  # i32[B] sum of num_draft
     accepted: jax.Array  # i32[B] accepted drafts that were emitted
     emitted: jax.Array  # i32[B] tokens emitted (bonus/correction included)
-    position_proposed: jax.Array  # i32[G] rounds that proposed at least i+1 drafts
-    position_accepted: jax.Array  # i32[G] rounds whose draft i+1 was accepted
+    position_proposed: jax.Array  # i32[G] rounds whose proposal reached draft position (tree depth) i+1
+    position_accepted: jax.Array  # i32[G] rounds whose accepted run (path) reached position (depth) i+1
     width_rounds: jax.Array  # i32[W] loop rounds whose verify pass ran at each of the engine's verify widths
 
     @classmethod
@@ -25,8 +25,11 @@ class Counters:
         row, pos = jnp.zeros((batch,), jnp.int32), jnp.zeros((gamma,), jnp.int32)
         return cls(row, row, row, row, pos, pos, jnp.zeros((num_widths,), jnp.int32))
 
-    def add_round(self, live, num_draft, n_accepted, n_emit, width_index=0) -> Counters:
-        """live bool[B], num_draft/n_accepted/n_emit i32[B] of one round; width_index i32[] of its verify pass."""
+    def add_round(self, live, num_draft, n_accepted, n_emit, width_index=0, reach=None) -> Counters:
+        """live bool[B], num_draft/n_accepted/n_emit i32[B] of one round; width_index i32[] of its verify
+        pass; reach i32[B] the deepest draft position proposed (a tree's deepest verified node; default
+        num_draft, a chain's)."""
+        reach = num_draft if reach is None else reach
         live_i = live.astype(jnp.int32)
         used = jnp.minimum(n_accepted, n_emit) * live_i  # accepted drafts cut by EOS/budget are not counted
         positions = jnp.arange(self.position_proposed.shape[0])[None, :]
@@ -35,7 +38,7 @@ class Counters:
             drafted=self.drafted + num_draft * live_i,
             accepted=self.accepted + used,
             emitted=self.emitted + n_emit * live_i,
-            position_proposed=self.position_proposed + jnp.sum((positions < (num_draft * live_i)[:, None]), 0),
+            position_proposed=self.position_proposed + jnp.sum((positions < (reach * live_i)[:, None]), 0),
             position_accepted=self.position_accepted + jnp.sum((positions < used[:, None]), 0),
             width_rounds=self.width_rounds.at[width_index].add(1),
         )
@@ -51,9 +54,10 @@ class Metrics:
     emitted_tokens: int
     mean_accepted_length: float
     acceptance_rate: float  # accepted / drafted (nan when nothing was drafted)
-    per_position_acceptance: list[float]  # accepted at draft i+1 / rounds proposing >= i+1 drafts
-    position_proposed: list[int]  # rounds proposing >= i+1 drafts
-    position_accepted: list[int]  # rounds whose draft i+1 was accepted
+    per_position_acceptance: list[float]  # accepted at draft position (tree depth) i+1 / rounds proposing it;
+    # nan past the deepest position proposed
+    position_proposed: list[int]  # rounds whose proposal reached position (depth) i+1
+    position_accepted: list[int]  # rounds whose accepted run reached position (depth) i+1
     width_rounds: list[int]  # loop rounds run at each verify width (EngineSpec.verify_widths), whole batch
 
     @classmethod

@@ -23,8 +23,10 @@ import numpy as np
 
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows
-from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.drafters import EagleConfig, MedusaConfig, ModelDrafter, NgramDrafter, oracle_drafter
 from specdec_jax.drafters.base import DrafterBase, Proposal
+from specdec_jax.drafters.eagle import init_eagle
+from specdec_jax.drafters.heads import save_head
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig, forward
 from specdec_jax.sampling import SamplingParams
@@ -55,6 +57,21 @@ def target():
 @functools.cache
 def draft():
     return load_model("tiny-random-draft")
+
+
+def random_head(kind: str, folder) -> str:
+    """A random EAGLE head (one small layer) or 3 Medusa heads for tiny-random, saved as the head
+    folder `--draft-model PATH` loads; returns its path."""
+    cfg = target().config
+    if kind == "eagle":
+        head = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, 2, 1, 32)
+        arrays = init_eagle(head, jax.random.key(5))
+    else:
+        rng, h = np.random.default_rng(5), cfg.hidden_size
+        head = MedusaConfig(h, cfg.vocab_size, 3)
+        arrays = {"w": (rng.standard_normal((3, h, h)) / np.sqrt(h)).astype(np.float32),
+                  "b": rng.standard_normal((3, h)).astype(np.float32)}
+    return str(save_head(folder, kind, head, arrays, {}))
 
 
 def ngram() -> NgramDrafter:

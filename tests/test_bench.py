@@ -8,6 +8,7 @@ time and speedup is then a number computed here, from scratch.
 """
 
 import json
+import math
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_auto_cost_model_charges_each_width_its_own_drafting(tmp_path, monkeypat
 
 def test_format_report_lists_every_category(report):
     text = format_report(report)
-    for name in ("copy", "open", "**overall**", "memory bandwidth", "per-position acceptance"):
+    for name in ("copy", "open", "**overall**", "memory bandwidth", "acceptance by draft position"):
         assert name in text
 
 
@@ -132,11 +133,18 @@ def test_bench_without_a_drafter_is_a_clean_error(capsys):
     assert "bench compares a drafter" in capsys.readouterr().err
 
 
-def test_bench_of_a_tree_reports_depths_and_nodes(tmp_path):
-    """A trie (6 nodes): the report's accepted-depth counts cover every round and match the
-    per-position counts, nodes per round are the drafts per round, and output equals plain."""
+TREE_DRAFTERS = {"ngram": lambda tmp: {}, "draft-model": lambda tmp: {"draft_model": "tiny-random-draft"},
+                 "eagle": lambda tmp: {"draft_model": H.random_head("eagle", tmp / "eagle")},
+                 "medusa": lambda tmp: {"draft_model": H.random_head("medusa", tmp / "medusa")}}
+
+
+@pytest.mark.parametrize("drafter", list(TREE_DRAFTERS))
+def test_bench_of_a_tree_reports_depths_and_nodes(drafter, tmp_path):
+    """A tree of 6 nodes, depth 3, top-2 from each tree drafter: the report's accepted-depth counts
+    cover every round and match the per-depth counts, acceptance is by depth (no position past the
+    tree's depth is proposed), nodes per round are the drafts per round, and output equals plain."""
     cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompt=("abc abc abc abc abc abc",),
-                    max_new_tokens=NEW, tree_depth=3, tree_topk=2)
+                    max_new_tokens=NEW, tree_depth=3, tree_topk=2, drafter=drafter, **TREE_DRAFTERS[drafter](tmp_path))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench_module, "time_target_pass", lambda run, width: {1: 0.010, 7: 0.030}[width])
         patch.setattr(bench_module, "time_draft_step", lambda run: DRAFT_STEP)
@@ -145,6 +153,10 @@ def test_bench_of_a_tree_reports_depths_and_nodes(tmp_path):
     depths = overall["accepted_depth_rounds"]
     assert len(depths) == 7 and sum(depths) == batch["rounds"]
     assert [sum(depths[i + 1:]) for i in range(6)] == batch["position_accepted"]
+    proposed = batch["position_proposed"]
+    assert proposed[0] > 0 and proposed[3:] == [0, 0, 0] and proposed[0] >= proposed[1] >= proposed[2]
+    rates = overall["per_position_acceptance"]
+    assert all(0 <= r <= 1 for r in rates[:3]) and all(math.isnan(r) for r in rates[3:])
     assert overall["drafts_per_round"] == pytest.approx(batch["draft_tokens"] / batch["rounds"])
     assert overall["verify_widths"] == [1, 7] and overall["tie_aware_equal"]
     assert "tree=6 nodes, depth 3, top-2" in format_report(report).splitlines()[0]

@@ -8,10 +8,12 @@ import pathlib
 import jax
 import pytest
 
+import engine_helpers as H
 from specdec_jax import runner
 from specdec_jax.cli import main
 from specdec_jax.config import load_yaml, resolve
 from specdec_jax.sweep import load_sweep, sweep
+from specdec_jax.tree import load_choices
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "train")  # train configs: test_distill
@@ -19,25 +21,39 @@ SMOKE = {"model": "tiny-random", "max_new_tokens": 3, "batch_size": 2, "prompt":
          "prompts_file": None, "raw": True, "ignore_eos": True}
 
 
-def smoke(cfg):
-    """The config on tiny-random with a tiny budget (draft models become tiny-random-draft)."""
+def smoke(cfg, tmp_path):
+    """The config on tiny-random with a tiny budget (draft models become tiny-random-draft, EAGLE and
+    Medusa heads random heads for tiny-random)."""
     changes = dict(SMOKE)
-    if cfg.draft_model:
+    if cfg.drafter in ("eagle", "medusa"):
+        changes["draft_model"] = H.random_head(cfg.drafter, tmp_path / "head")
+    elif cfg.draft_model:
         changes["draft_model"] = "tiny-random-draft"
     return dataclasses.replace(cfg, **changes)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
-def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path):
+def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path, tmp_path):
     if "grid" in load_raw(path):
         keys, configs = load_sweep(path)
         assert keys and configs
         cfg = configs[-1]
     else:
         cfg = resolve(load_yaml(path), {}, where=str(path))
-    report = runner.run(smoke(cfg), progress=False)
+    report = runner.run(smoke(cfg, tmp_path), progress=False)
     assert [len(r["tokens"]) for r in report["results"]] == [3, 3]
     assert report["config"]["drafter"] == cfg.drafter and report["config"]["gamma"] == cfg.gamma
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("trees/*.json")), ids=lambda p: p.name)
+def test_every_tree_choices_file_is_a_tree_for_its_heads(path):
+    """configs/trees/*.json: Medusa-format choices whose every prefix is in the file (a tree),
+    for as many heads as the file's name says."""
+    shape = load_choices(path)
+    choices = {tuple(c) for c in shape.choices}
+    assert all(c[:-1] in choices for c in choices if len(c) > 1)
+    heads = int(path.stem.split("_")[1].removesuffix("heads"))
+    assert shape.depth <= heads and shape.nodes == len(choices) == int(path.stem.split("_")[2])
 
 
 def load_raw(path):

@@ -53,7 +53,7 @@ def load_head(path: str | pathlib.Path, kind: str | None = None):
     when it is missing, unreadable, of another kind than `kind`, or inconsistent."""
     import orbax.checkpoint as ocp
 
-    folder = pathlib.Path(path).resolve()
+    folder = pathlib.Path(path).expanduser().resolve()
     if not is_head_dir(folder):
         raise ValueError(f"{folder} is not a drafter head folder (no {HEAD_MARKER}); train one with "
                          "specdec-jax train-draft --kind eagle|medusa")

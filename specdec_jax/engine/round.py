@@ -234,15 +234,32 @@ def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass) -> VerifyRe
 
 def accept_tree(spec: EngineSpec, state: DecodeState, scored: TargetPass, budget: jax.Array) -> VerifyResult:
     """The tree rules (`verify_tree`) over the nodes a row proposed that lie within its room."""
-    drafts, num_draft, draft_probs, parents = state.proposal
-    depth = tree.structure(parents)[0][:, 1:]
-    valid = (jnp.arange(spec.gamma)[None, :] < num_draft[:, None]) & (depth <= draft_room(spec, state)[:, None])
+    drafts, _, draft_probs, parents = state.proposal
+    valid = verified_nodes(spec, state)[1]
     if state.sampling.any_sampled:
         return verify_tree_stochastic(position_keys(state, spec.gamma + 1), drafts, parents, valid, draft_probs,
                                       target_law(spec, state, scored.logits),
                                       without_replacement=spec.drafter.without_replacement,
                                       stop_ids=spec.stop_ids, budget=budget)
     return verify_tree_greedy(drafts, parents, valid, scored.greedy, stop_ids=spec.stop_ids, budget=budget)
+
+
+def verified_nodes(spec: EngineSpec, state: DecodeState) -> tuple[jax.Array, jax.Array]:
+    """A tree proposal's node depths i32[B,G] (1 = a child of t0) and which nodes are verified,
+    bool[B,G]: the first num_draft, within the row's room."""
+    depth = tree.structure(state.proposal.parents)[0][:, 1:]
+    valid = (jnp.arange(spec.gamma)[None, :] < state.proposal.num_draft[:, None]) & (
+        depth <= draft_room(spec, state)[:, None])
+    return depth, valid
+
+
+def proposed_depth(spec: EngineSpec, state: DecodeState) -> jax.Array:
+    """i32[B]: how deep the verified proposal reaches: a chain's draft count, a tree's deepest
+    verified node (the denominators of acceptance by draft position, or by depth)."""
+    if state.proposal.parents is None:
+        return state.proposal.num_draft
+    depth, valid = verified_nodes(spec, state)
+    return jnp.max(jnp.where(valid, depth, 0), axis=1)
 
 
 def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult,
@@ -288,7 +305,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         last_accepted=n_accepted,
         features=hidden,
         counters=state.counters.add_round(live, state.proposal.num_draft, result.n_accepted, n_emit,
-                                          scored.width_index),
+                                          scored.width_index, reach=proposed_depth(spec, state)),
         step=state.step + 1,
         target_top=target_top,
         acceptance=acceptance,

@@ -55,7 +55,7 @@ def load_model(name: str, *, seed: int = 0) -> LoadedModel:
         return _BUILDERS[name](seed)
     from specdec_jax.models import loading
 
-    path = pathlib.Path(name)
+    path = pathlib.Path(name).expanduser()
     if path.suffix == ".gguf":
         return loading.load_gguf(path)
     if path.is_dir():
