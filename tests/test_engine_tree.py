@@ -40,8 +40,8 @@ def test_greedy_tree_equals_plain_decoding(name):
     m = out.metrics
     assert m.emitted_tokens == sum(map(len, ref.tokens))
     assert m.accepted_tokens > 0 and m.rounds < ref.metrics.rounds
-    nodes = TREES[name]().tree.nodes
-    assert m.position_proposed[nodes - 1] > 0  # full trees were verified
+    depth = TREES[name]().tree.depth  # counted by depth: full-depth trees were verified, none deeper
+    assert m.position_proposed[depth - 1] > 0 and not any(m.position_proposed[depth:])
 
 
 @pytest.mark.slow  # CI time; dynamic trees stay lossless in test_greedy_tree_equals_plain_decoding[draft-model]
