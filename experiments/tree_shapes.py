@@ -4,7 +4,8 @@ For each shape, `specdec-jax bench` runs the drafter beside plain decoding (side
 run, medians) on the held-out Spec-Bench questions of the heads' split
 (`experiments/eagle_recipe.py`), the first `--per-category` of each of `--categories`, batch 1,
 greedy. A shape is `g4` (a chain of gamma 4) or `t16x4x4` (a tree of 16 nodes, depth 4,
-top-4: n-gram matches, EAGLE's expansion, Medusa's ranks). Also measured, on this device:
+top-4: n-gram matches, EAGLE's or the draft model's expansion, Medusa's ranks; for Medusa,
+`--tree-choices FILE` adds the static tree of a choices file, named `c<file stem>`). Also measured, on this device:
 the target pass at each of `--widths` tokens over T1 (the cost of verifying N nodes), and,
 from it, the speedup the cost model predicts on a device where Tv(N) is about T1 (a
 prediction, not a measurement): tokens per round / (1 + drafting / T1).
@@ -19,6 +20,9 @@ Writes `experiments/results/tree_shapes/summary.json`, `table.md` and `tree_shap
         --categories summarization rag math_reasoning translation --per-category 3
     python experiments/tree_shapes.py --drafter eagle --draft-model ~/.cache/specdec_jax/heads/smollm2-eagle/head \\
         --shapes g4 t16x4x4
+    python experiments/tree_shapes.py --tokens-only --drafter medusa \
+        --draft-model ~/.cache/specdec_jax/heads/smollm2-medusa/head --shapes g3 t8x4x2 \
+        --tree-choices configs/trees/medusa_4heads_16.json
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ def category_prompts(folder: pathlib.Path, categories: list[str] | None) -> path
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafter", default="ngram", choices=["ngram", "eagle", "medusa"])
+    parser.add_argument("--drafter", default="ngram", choices=["ngram", "draft-model", "eagle", "medusa"])
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--shapes", nargs="+", default=["g4", "t8x4x2", "t12x4x3", "t16x4x4"])
+    parser.add_argument("--tree-choices", type=pathlib.Path, default=None,
+                        help="a static tree in Medusa's format (JSON rank paths), one more shape: c<stem>")
     parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all)")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -82,6 +88,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for shape in args.shapes:
         shape_fields(shape)
+    if args.tree_choices is not None and args.drafter != "medusa":
+        parser.error("--tree-choices is a static tree for --drafter medusa")
+    shapes = {shape: shape_fields(shape) for shape in args.shapes}
+    if args.tree_choices is not None:
+        shapes[f"c{args.tree_choices.stem}"] = {"tree_choices": str(args.tree_choices)}
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -90,9 +101,9 @@ def main(argv=None) -> int:
     summary["T1_ms"] = 1000 * curve[1]
     with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
         prompts = category_prompts(pathlib.Path(folder), args.categories)
-        for shape in args.shapes:
+        for shape, fields in shapes.items():
             cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, max_new_tokens=args.max_new_tokens,
-                            prompts_file=str(prompts), ngram_min=args.ngram_min, **shape_fields(shape))
+                            prompts_file=str(prompts), ngram_min=args.ngram_min, **fields)
             name = f"{args.drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != RunConfig.ngram_min else "")
             summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
                              else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
@@ -111,7 +122,8 @@ def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -
     overall = report["overall"]
     draft_over_t1 = overall["Td_ms"] * overall["drafts_per_round"] / overall["T1_ms"]
     return {"overall": {k: overall[k] for k in ("speedup", "tokens_per_round", "tie_aware_equal", "prompts",
-                                                "drafts_per_round", "accepted_depth_rounds", "Tv_over_T1")},
+                                                "drafts_per_round", "accepted_depth_rounds", "Tv_over_T1",
+                                                "per_position_acceptance")},
             "predicted_accelerator_speedup": overall["tokens_per_round"] / (1 + draft_over_t1),
             "categories": {c: {"speedup": a["speedup"], "tokens_per_round": a["tokens_per_round"]}
                            for c, a in report["categories"].items()}}
@@ -134,7 +146,9 @@ def tokens_only(cfg: RunConfig, per_category: int) -> dict:
     drafted = sum(m["draft_tokens"] for m in metrics.values())
     return {"overall": {"tokens_per_round": emitted / rounds, "drafts_per_round": drafted / rounds,
                         "prompts": sum(map(len, by_category.values()))},
-            "categories": {c: {"tokens_per_round": m["mean_accepted_length"]} for c, m in metrics.items()}}
+            "categories": {c: {"tokens_per_round": m["mean_accepted_length"],
+                               "acceptance_by_depth": [x for x in m["per_position_acceptance"] if x == x]}  # to its depth
+                           for c, m in metrics.items()}}
 
 
 def runs_of(summary: dict) -> dict:
