@@ -217,14 +217,16 @@ def _penalty_counts(spec: EngineSpec, state: DecodeState) -> PenaltyCounts | Non
     return history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
 
 
-def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass) -> VerifyResult:
+def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass,
+           nodes: tuple[jax.Array, jax.Array] | None) -> VerifyResult:
     """The verification rule over the target's pass: greedy (on its greedy tokens) when no row
     samples, else speculative sampling on `target_law` of its logits (greedy rows of a mixed batch
-    have one-hot laws, for which it reduces to the greedy rule); `accept_tree` for a tree."""
+    have one-hot laws, for which it reduces to the greedy rule); `accept_tree` for a tree, whose
+    `verified_nodes` are ``nodes`` (None for a chain)."""
     drafts, num_draft, draft_probs, parents = state.proposal
     budget = state.max_new - (state.num_tokens - state.prompt_lens)
     if parents is not None:
-        return accept_tree(spec, state, scored, budget)
+        return accept_tree(spec, state, scored, budget, nodes[1])
     if state.sampling.any_sampled:
         return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs,
                                  target_law(spec, state, scored.logits), num_draft, stop_ids=spec.stop_ids,
@@ -232,10 +234,10 @@ def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass) -> VerifyRe
     return verify_greedy(drafts, scored.greedy, num_draft, stop_ids=spec.stop_ids, budget=budget)
 
 
-def accept_tree(spec: EngineSpec, state: DecodeState, scored: TargetPass, budget: jax.Array) -> VerifyResult:
-    """The tree rules (`verify_tree`) over the nodes a row proposed that lie within its room."""
+def accept_tree(spec: EngineSpec, state: DecodeState, scored: TargetPass, budget: jax.Array,
+                valid: jax.Array) -> VerifyResult:
+    """The tree rules (`verify_tree`) over the ``valid`` nodes, bool[B,G] (`verified_nodes`)."""
     drafts, _, draft_probs, parents = state.proposal
-    valid = verified_nodes(spec, state)[1]
     if state.sampling.any_sampled:
         return verify_tree_stochastic(position_keys(state, spec.gamma + 1), drafts, parents, valid, draft_probs,
                                       target_law(spec, state, scored.logits),
@@ -253,21 +255,22 @@ def verified_nodes(spec: EngineSpec, state: DecodeState) -> tuple[jax.Array, jax
     return depth, valid
 
 
-def proposed_depth(spec: EngineSpec, state: DecodeState) -> jax.Array:
+def proposed_depth(state: DecodeState, nodes: tuple[jax.Array, jax.Array] | None) -> jax.Array:
     """i32[B]: how deep the verified proposal reaches: a chain's draft count, a tree's deepest
-    verified node (the denominators of acceptance by draft position, or by depth)."""
-    if state.proposal.parents is None:
+    verified node (``nodes``: its `verified_nodes`); the denominators of acceptance by draft
+    position, or by depth."""
+    if nodes is None:
         return state.proposal.num_draft
-    depth, valid = verified_nodes(spec, state)
+    depth, valid = nodes
     return jnp.max(jnp.where(valid, depth, 0), axis=1)
 
 
 def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: VerifyResult,
-           scored: TargetPass) -> DecodeState:
+           scored: TargetPass, reach: jax.Array) -> DecodeState:
     """Writes the pass's keys/values (a tree's accepted path first, so that slots lengths + j hold
     [t0, path] as a chain's would), appends each live row's emitted run and moves the committed
     lengths (the rollback of rejected drafts: their slots lie past the new lengths); then the
-    drafter's commit hook and the round's metrics."""
+    drafter's commit hook and the round's metrics (``reach``: `proposed_depth`)."""
     logits, hidden, block = scored.logits, scored.hidden, scored.block
     if result.path is not None:  # verify input of the run's j-th token: t0, then the path's nodes
         order = jnp.pad(jnp.where(result.path >= 0, result.path + 1, 0), ((0, 0), (1, 0)))  # i32[B,G+1]
@@ -305,7 +308,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         last_accepted=n_accepted,
         features=hidden,
         counters=state.counters.add_round(live, state.proposal.num_draft, result.n_accepted, n_emit,
-                                          scored.width_index, reach=proposed_depth(spec, state)),
+                                          scored.width_index, reach=reach),
         step=state.step + 1,
         target_top=target_top,
         acceptance=acceptance,
@@ -328,7 +331,9 @@ def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> D
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
     scored = target_pass(spec, params.target, state)
-    return stop_reasons(spec, state.done, commit(spec, params, state, accept(spec, state, scored), scored))
+    nodes = None if state.proposal.parents is None else verified_nodes(spec, state)  # once a round: a loop
+    result = accept(spec, state, scored, nodes)
+    return stop_reasons(spec, state.done, commit(spec, params, state, result, scored, proposed_depth(state, nodes)))
 
 
 def decode_round(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
