@@ -86,8 +86,6 @@ def main(argv=None) -> int:
     parser.add_argument("--ngram-min", type=int, default=RunConfig.ngram_min, help="shortest n-gram the lookup tries")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    for shape in args.shapes:
-        shape_fields(shape)
     if args.tree_choices is not None and args.drafter != "medusa":
         parser.error("--tree-choices is a static tree for --drafter medusa")
     shapes = {shape: shape_fields(shape) for shape in args.shapes}

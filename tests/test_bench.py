@@ -138,7 +138,8 @@ TREE_DRAFTERS = {"ngram": lambda tmp: {}, "draft-model": lambda tmp: {"draft_mod
                  "medusa": lambda tmp: {"draft_model": H.random_head("medusa", tmp / "medusa")}}
 
 
-@pytest.mark.parametrize("drafter", list(TREE_DRAFTERS))
+@pytest.mark.parametrize("drafter", [pytest.param(d, marks=pytest.mark.slow) if d in ("draft-model", "medusa") else d
+                                     for d in TREE_DRAFTERS])  # CI time; both trees also run in test_sweep's smoke runs
 def test_bench_of_a_tree_reports_depths_and_nodes(drafter, tmp_path):
     """A tree of 6 nodes, depth 3, top-2 from each tree drafter: the report's accepted-depth counts
     cover every round and match the per-depth counts, acceptance is by depth (no position past the
