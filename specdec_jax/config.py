@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from specdec_jax.engine.batching import AUTO
-from specdec_jax.engine.calibration import AUTO_GAMMAS
+from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 from specdec_jax.tree import TreeShape, load_choices
@@ -49,7 +49,7 @@ class RunConfig:
     stop_id: tuple[int, ...] = ()  # extra token ids that end a row (kept in the output), beside the model's
     oracle_alpha: float = 0.8
     ngram_max: int = 3
-    ngram_min: int = 2  # min 1 drafts on any repeated token; 2 won on Spec-Bench (experiments/README.md)
+    ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
     mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
     tree_nodes: int | str | None = None  # a token tree of this many nodes (specdec_jax.tree), "auto" (a size
     # chosen per round, engine.shape); None: a chain

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +21,15 @@ from jax.sharding import Mesh
 
 from specdec_jax import sharding
 from specdec_jax.drafters.base import Drafter, PrefillContext, Proposal
-from specdec_jax.engine.calibration import AUTO_GAMMAS, shape_policy
 from specdec_jax.engine.round import draft_step
-from specdec_jax.engine.shape import ShapePolicy
+from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy
 from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
 from specdec_jax.metrics import Counters
 from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import TargetModel, resolve_target
 
 AUTO = "auto"  # gamma chosen per round by a ShapePolicy (engine.shape) from this device's measured costs
+PolicyFor = Callable[[int, int], ShapePolicy]  # (bucketed batch, KV capacity) -> the policy for those shapes
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -108,8 +108,11 @@ def prepare(
     capacity: int | None = None,
     record_top_k: int = 0,
     mesh: Mesh | None = None,
+    policy_for: PolicyFor | None = None,
 ) -> Prepared:
-    """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in `generate`."""
+    """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in
+    `generate`. Under gamma "auto" without a ``policy``, ``policy_for(batch, capacity)`` builds one for
+    the bucketed shapes (`engine.prepare` passes the calibrated one, `calibration.shape_policy`)."""
     model, target_params = resolve_target(target)
     gamma = _tree_gamma(drafter, gamma, policy)
     auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
@@ -132,7 +135,10 @@ def prepare(
     longest = max(map(len, prompts))
     capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
     if auto and policy is None:
-        policy = shape_policy(target, drafter, batch, capacity)
+        if policy_for is None:
+            raise ValueError("gamma 'auto' needs a ShapePolicy (policy=) or a builder of one (policy_for=); "
+                             "engine.prepare and engine.generate use this device's calibrated costs")
+        policy = policy_for(batch, capacity)
     if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
         raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
                          "drafter one over chain lengths")

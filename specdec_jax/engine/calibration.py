@@ -1,4 +1,4 @@
-"""The costs the shape policy decides with, measured on the running device (DESIGN sections 8 and 11).
+"""The costs the shape policy decides with, measured on the running device (docs/design.md sections 8 and 11).
 
 `measure_costs` times whole rounds of the shape policy's own program, each at
 one forced shape (`DecodeState.forced_shape`), on the shapes of a batch (batch
@@ -34,27 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.engine.shape import FREE_DRAFTS, ShapePolicy
+from specdec_jax.engine.batching import prepare
+from specdec_jax.engine.round import decode_round, draft_step
+from specdec_jax.engine.shape import AUTO_GAMMAS, FREE_DRAFTS, ShapePolicy, auto_shapes
 from specdec_jax.kv_cache import ordered_read
 from specdec_jax.sampling import first_argmax
 from specdec_jax.sharding import same_on_every_process
 from specdec_jax.target import chain_positions, resolve_target
 
-AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
-AUTO_TREE_SIZES = (1, 2, 4, 8, 16)  # node counts `gamma="auto"` verifies of a tree drafter's nodes (below N)
 
-
-def tree_sizes(nodes: int) -> tuple[int, ...]:
-    """The node counts a shape policy chooses among for a tree of ``nodes`` nodes: 0 (plain
-    decoding), the `AUTO_TREE_SIZES` below ``nodes``, and ``nodes``."""
-    return tuple(sorted({0, nodes, *(n for n in AUTO_TREE_SIZES if n < nodes)}))
-
-
-def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
-    """``(gammas, tree)`` that gamma "auto" chooses among for ``drafter``: `AUTO_GAMMAS` for a chain,
-    `tree_sizes` of its node count for a tree drafter (tree True)."""
-    shape = getattr(drafter, "tree", None)
-    return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
 CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
 CALIBRATION_ROUNDS = 8  # rounds per timed call of `time_rounds` (fewer where the capacity has no room)
 
@@ -99,8 +87,6 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     """Seconds of one `draft_step` at a fixed ``gamma`` (default the run's; at most its gamma): the
     drafter's whole proposal, a copy of the loop state donated and fed back. gamma 0 times the
     round of a shape policy that does not speculate (the drafter keeping its state in step)."""
-    from specdec_jax.engine.round import draft_step
-
     gamma = run.spec.gamma if gamma is None else gamma
     spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
     state = jax.tree.map(jnp.copy, run.state)
@@ -122,8 +108,6 @@ def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
     timed call starts from a copy of the post-prefill state (copied before the clock starts) and
     donates it; the shapes are timed in turn, so a change in the machine's load reaches all of
     them alike."""
-    from specdec_jax.engine.round import decode_round
-
     policy = run.spec.policy
     options = range(len(policy.gammas)) if not policy.tree else (0, len(policy.gammas) - 1)
     for d, v in shapes:
@@ -165,8 +149,6 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
 
     ``rounds`` keeps every R(d, v) measured, by "d,v".
     """
-    from specdec_jax.engine.batching import prepare
-
     model, _ = resolve_target(target)
     gammas, last = tuple(gammas), len(gammas) - 1
     policy = lambda free: ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (0.0 if free else 1.0,) * last,

@@ -1,7 +1,13 @@
-"""`generate`: the public entry point (validate, bucket, prefill, run the loop, unpack)."""
+"""`generate`, the public entry point (prepare, run the loop, unpack), and `prepare`, the batch it runs.
+
+`prepare` sits above both `batching` and `calibration`: gamma "auto" is priced
+by this device's calibrated costs, which are measured on batches that
+`batching.prepare` builds with a fixed policy.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -11,12 +17,21 @@ from jax.sharding import Mesh
 
 from specdec_jax import sharding
 from specdec_jax.drafters.base import Drafter
-from specdec_jax.engine.batching import prepare
+from specdec_jax.engine import batching
+from specdec_jax.engine.batching import Prepared
+from specdec_jax.engine.calibration import shape_policy
 from specdec_jax.engine.round import decode_round, run_loop
 from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.engine.state import STOP_REASONS, GenerationResult
 from specdec_jax.metrics import Metrics
 from specdec_jax.sampling import SamplingParams
+
+
+def prepare(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None = None, **options) -> Prepared:
+    """`batching.prepare` (validate, bucket, place, prefill; keyword arguments as in `generate`), with
+    gamma "auto" priced by this device's calibrated costs (`calibration.shape_policy`, cached on disk)."""
+    return batching.prepare(target, prompts, drafter, policy_for=functools.partial(shape_policy, target, drafter),
+                            **options)
 
 
 def generate(

@@ -1,4 +1,4 @@
-"""One round of speculative decoding as two pure, jitted functions (DESIGN sections 2 and 4).
+"""One round of speculative decoding as two pure, jitted functions (docs/design.md sections 2 and 4).
 
     draft_step(spec, params, state) -> state    # the drafter proposes
     verify_step(spec, params, state) -> state   # target pass, acceptance, commit, stop reasons
@@ -198,7 +198,7 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState) -> TargetPa
 
 
 def target_law(spec: EngineSpec, state: DecodeState, logits: jax.Array) -> jax.Array:
-    """f32[B,G+1,V]: the processed target law at each verified position (DESIGN section 6)."""
+    """f32[B,G+1,V]: the processed target law at each verified position (docs/design.md section 6)."""
     return process_logits(logits, state.sampling, _penalty_counts(spec, state))
 
 

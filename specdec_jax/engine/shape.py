@@ -1,4 +1,4 @@
-"""Choosing the draft shape per round from the device's costs and each row's acceptance (DESIGN section 11).
+"""Choosing the draft shape per round from the device's costs and each row's acceptance (docs/design.md section 11).
 
 A `ShapePolicy` names the draft lengths the program is compiled for
 (`gammas`, ascending, 0 = a plain decoding step) and what each costs on the
@@ -40,7 +40,7 @@ Each round, on device:
    acceptance tends to grow with depth: a copy that started goes on), so a row
    that accepts well is soon offered a longer chain.
 
-A token tree is just another shape (`tree=True`, DESIGN section 10): gammas
+A token tree is just another shape (`tree=True`, docs/design.md section 10): gammas
 are node counts, and a tree drafter orders its nodes so that every prefix is
 itself a tree (parents come first) and the drafter's best tree of that size
 (EAGLE-2's N best by score; the n-gram trie's best match first), so verifying
@@ -66,6 +66,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+AUTO_GAMMAS = (0, 1, 2, 4)  # the shapes `gamma="auto"` compiles: widths 1, 2, 3, 5
+AUTO_TREE_SIZES = (1, 2, 4, 8, 16)  # node counts `gamma="auto"` verifies of a tree drafter's nodes (below N)
+
+
+def tree_sizes(nodes: int) -> tuple[int, ...]:
+    """The node counts a shape policy chooses among for a tree of ``nodes`` nodes: 0 (plain
+    decoding), the `AUTO_TREE_SIZES` below ``nodes``, and ``nodes``."""
+    return tuple(sorted({0, nodes, *(n for n in AUTO_TREE_SIZES if n < nodes)}))
+
+
+def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
+    """``(gammas, tree)`` that gamma "auto" chooses among for ``drafter``: `AUTO_GAMMAS` for a chain,
+    `tree_sizes` of its node count for a tree drafter (tree True)."""
+    shape = getattr(drafter, "tree", None)
+    return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
 
 FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is treated as free
 # A chain's prior probes less than 0.7 did: replayed on the training split (experiments/policy_replay.py) it

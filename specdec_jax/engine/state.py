@@ -1,4 +1,4 @@
-"""The engine's static settings, weights and loop state (DESIGN section 3).
+"""The engine's static settings, weights and loop state (docs/design.md section 3).
 
 Invariant per row b: `num_tokens[b]` tokens are committed; the target cache
 holds the first `num_tokens[b] - 1` of them and the newest, t0, is fed at slot
