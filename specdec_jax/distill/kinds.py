@@ -29,7 +29,7 @@ from specdec_jax.drafters.eagle import EagleConfig, head_logits, head_pass, init
 from specdec_jax.drafters.heads import save_head
 from specdec_jax.drafters.medusa import MedusaConfig, init_medusa, medusa_logits
 from specdec_jax.models.llama import Llama, LlamaTarget
-from specdec_jax.models.registry import LoadedModel
+from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.target import FINAL_NORM
 
 

@@ -40,7 +40,7 @@ from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, bui
                                       training_prompts, vocab_by_frequency)
 from specdec_jax.distill.kinds import head_target_info, head_vocab, kind_of
 from specdec_jax.models import load_model
-from specdec_jax.models.registry import LoadedModel
+from specdec_jax.models.loaded import LoadedModel
 
 
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:

@@ -40,7 +40,7 @@ arrays (``params["wq"][i]: [N*D, H]``), not stacked: XLA CPU copies a slice of a
 stacked array before every matmul, which tripled the cost of a decode step.
 :func:`forward` accepts either form (it indexes ``params[name][i]``).
 
-Cache semantics (DESIGN sections 3 and 9): :func:`apply` is the target pass of
+Cache semantics (docs/design.md sections 3 and 9): :func:`apply` is the target pass of
 ``specdec_jax.target``: input token ``s`` of row ``b`` is written at slot
 ``cache.lengths[b] + s`` (slots ``>= T`` are dropped, so the caller must size
 ``T``), rotated by ``positions[b, s]``, and query ``(b, s)`` sees the committed

@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec_jax.models.fetch import cache_dir, sha256_of, smollm2_gguf
 from specdec_jax.models.llama import LAYOUT, Llama, LlamaConfig, from_in_out_layout
-from specdec_jax.models.registry import LoadedModel
+from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")

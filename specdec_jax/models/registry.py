@@ -2,32 +2,22 @@
 
 Built in: deterministic random Llamas sharing the :class:`ByteTokenizer`,
 ``tiny-random`` (the target), ``tiny-random-draft`` (a smaller drafter) and
-``smollm2-135m-random`` (SmolLM2-135M's shapes, for speed checks offline).
-Loaders of real checkpoints add themselves with :func:`register_model`.
+``smollm2-135m-random`` (SmolLM2-135M's shapes, for speed checks offline); and
+``smollm2-135m``, the real checkpoint (``models.loading``). :func:`register_model`
+adds more names.
 """
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 from flax import nnx
 
+from specdec_jax.models import loading
+from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.tokenizer import ByteTokenizer
-
-
-class LoadedModel(NamedTuple):
-    """What :func:`load_model` returns; unpacks as ``model, config, tokenizer``."""
-
-    model: Llama
-    config: LlamaConfig
-    tokenizer: ByteTokenizer
-
-    def as_target(self):
-        """``(TargetModel, weights)`` of the model, for the engine (``specdec_jax.target``)."""
-        return self.model.as_target()
 
 
 Builder = Callable[[int], LoadedModel]  # seed -> LoadedModel
@@ -53,8 +43,6 @@ def load_model(name: str, *, seed: int = 0) -> LoadedModel:
     Hugging Face model directory."""
     if name in _BUILDERS:
         return _BUILDERS[name](seed)
-    from specdec_jax.models import loading
-
     path = pathlib.Path(name).expanduser()
     if path.suffix == ".gguf":
         return loading.load_gguf(path)
@@ -93,10 +81,4 @@ register_model("tiny-random-draft", _random_builder(TINY_RANDOM_DRAFT))
 register_model("smollm2-135m-random", _random_builder(SMOLLM2_SHAPE))
 
 
-def _smollm2(seed: int) -> LoadedModel:
-    from specdec_jax.models.loading import load_smollm2  # imports gguf/tokenizers only when used
-
-    return load_smollm2(seed)
-
-
-register_model("smollm2-135m", _smollm2)
+register_model("smollm2-135m", loading.load_smollm2)
