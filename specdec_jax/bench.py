@@ -5,7 +5,7 @@ the same shapes; its time is reported as compile time), then `repeats` timed
 runs alternate plain (gamma 0) and speculative decoding so machine noise hits
 both alike; medians are kept. Rates are of the decode phase (the decoding
 loop's own seconds, `GenerationResult.decode_s`; end-to-end and prefill times
-are in the JSON). The cost model of DESIGN section 8 is measured
+are in the JSON). The cost model of docs/design.md section 8 is measured
 in the same run on the same shapes:
 
     T1  one target pass of 1 token           Tv  one verify pass of gamma + 1 tokens
@@ -239,7 +239,7 @@ def _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons
 
 
 def _predicted_times(plain, spec, costs: dict) -> tuple[float, float]:
-    """Predicted decode seconds of the plain and the speculative run (DESIGN section 8): T1 per
+    """Predicted decode seconds of the plain and the speculative run (docs/design.md section 8): T1 per
     plain loop round; per speculative round the verify width it actually ran, T(w), plus the
     drafting such a round paid, D(w)."""
     per_round = [t + d for t, d in zip(costs["T_by_width"], costs["D_by_width"])]

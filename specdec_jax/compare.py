@@ -1,4 +1,4 @@
-"""Tie-aware comparison of greedy outputs (DESIGN section 6).
+"""Tie-aware comparison of greedy outputs (docs/design.md section 6).
 
 Greedy speculative decoding and plain decoding (or two implementations) may
 part ways where the target's top-2 logits are nearly tied: the verify pass

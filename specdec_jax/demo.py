@@ -3,9 +3,8 @@
 For each prompt (batch 1): every program is compiled first (a 1-token run with
 the same shapes), then plain decoding (gamma 0) and speculative decoding run
 alternately, REPEATS times each (medians), through the same engine with the
-same KV capacity. Prints
-both texts in two columns, whether they are identical (tie-aware, DESIGN
-section 6), the speedup, tokens per round and acceptance.
+same KV capacity. Prints both texts in two columns, whether they are identical
+(tie-aware, docs/design.md section 6), the speedup, tokens per round and acceptance.
 
 The drafters: the configured one (default the n-gram lookup with gamma
 "auto", which drafts only when this device's costs and the row's acceptance

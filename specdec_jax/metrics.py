@@ -1,4 +1,4 @@
-"""Acceptance statistics, counted on device per live row and round (DESIGN section 5)."""
+"""Acceptance statistics, counted on device per live row and round (docs/design.md section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every random draw of a generation, keyed by what it decides (DESIGN section 6).
+"""Every random draw of a generation, keyed by what it decides (docs/design.md section 6).
 
 A draw's key is a function of four things only:
 

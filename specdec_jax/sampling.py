@@ -1,4 +1,4 @@
-"""Logits -> processed, normalized probability law (DESIGN section 6).
+"""Logits -> processed, normalized probability law (docs/design.md section 6).
 
 One function, `process_logits`, turns raw logits into the law a decoder samples
 from. The target's `p` and the drafter's `q` both go through it, so the

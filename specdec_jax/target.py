@@ -8,7 +8,7 @@ round) with
           hidden_layers tuple[int, ...], *, compute_logits=True)
         -> (logits f32[B,S,V] | None, hidden f32[len(hidden_layers),B,S,H] | None, cache)
 
-with these semantics (DESIGN sections 3 and 9):
+with these semantics (docs/design.md sections 3 and 9):
 
 - keys/values of input ``s`` are written at slot ``cache.lengths[b] + s``
   (slots ``>= T`` are dropped); ``cache.lengths`` is returned unchanged;

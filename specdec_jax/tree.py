@@ -1,4 +1,4 @@
-"""Token trees (DESIGN section 10): the structure of a proposal of N nodes per row.
+"""Token trees (docs/design.md section 10): the structure of a proposal of N nodes per row.
 
 A tree proposal is `Proposal(drafts=tokens i32[B,N], num_draft, probs, parents=i32[B,N])`:
 node c has token `tokens[b, c]` and parent `parents[b, c]` (-1: the root, the

@@ -1,4 +1,4 @@
-"""Verification rules of speculative decoding (DESIGN section 2).
+"""Verification rules of speculative decoding (docs/design.md section 2).
 
 A round verifies, per row b, `k = num_draft[b] <= G` drafted tokens against the
 target's laws at the `G + 1` verified positions. Row i of the target's output

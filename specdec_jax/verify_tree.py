@@ -1,4 +1,4 @@
-"""Verification of token trees (DESIGN section 10; a chain is the tree ``parents = c - 1``).
+"""Verification of token trees (docs/design.md section 10; a chain is the tree ``parents = c - 1``).
 
 Row b proposes nodes ``tokens[b, c]`` with ``parents[b, c]`` (`specdec_jax.tree`);
 ``valid[b, c]`` says which nodes count (padding, and nodes deeper than the row's

@@ -4,8 +4,8 @@ hand-driven rounds, cache rebuilding, and the tie-aware greedy comparator.
 Compiles cost seconds on CPU, so every test that can reuses one shape family:
 the ragged batch `RAGGED` (batch bucket 4, prompt bucket 32), `MAX_NEW`
 tokens, gamma `GAMMA`, the default capacity (128) and the EOS id picked by
-`eos_id()`. Reference outputs are cached per process, so test files run in one
-pytest session share them.
+`eos_id()`. Reference outputs are cached per process, so test files run by one
+pytest process share them.
 
 The tie-aware comparator is the library's (`specdec_jax.compare`).
 """
@@ -230,7 +230,7 @@ def prepare(
 
 
 def reference_ngram(h, gamma, max_n=3, min_n=1, prefer="recent", window=None):
-    """The n-gram proposal of DESIGN section 5 for history `h` (a list), in plain Python."""
+    """The n-gram proposal of docs/design.md section 5 for history `h` (a list), in plain Python."""
     length = len(h)
     for n in range(max_n, min_n - 1, -1):
         if length < n:
@@ -276,7 +276,7 @@ def teacher_logits(config: LlamaConfig, params, sequence: Sequence[int]) -> np.n
 
 
 # ----------------------------------------------------------------------------
-# Tie-aware greedy comparison (DESIGN section 6), on top of specdec_jax.compare
+# Tie-aware greedy comparison (docs/design.md section 6), on top of specdec_jax.compare
 
 
 def assert_greedy_equivalent(config, params, prompts, references, candidates, tol: float = 1e-3) -> float:

@@ -3,7 +3,7 @@
 The cost terms are replaced by known constants (T(1), T(5), one draft step), and
 the round counts the report uses are checked against an independent replay: the
 plain output (which speculative greedy decoding must reproduce) walked round by
-round with the plain-Python n-gram proposal of DESIGN section 5. Every predicted
+round with the plain-Python n-gram proposal of docs/design.md section 5. Every predicted
 time and speedup is then a number computed here, from scratch.
 """
 

@@ -1,5 +1,5 @@
 """Drafters: n-gram prompt lookup on hand-made buffers, the draft model's proposals, and the
-all-accepted trap of DESIGN section 2 (a drafter cache missing d_gamma)."""
+all-accepted trap of docs/design.md section 2 (a drafter cache missing d_gamma)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""End-to-end tests of the engine (DESIGN sections 2-4): spec output is the target's own output.
+"""End-to-end tests of the engine (docs/design.md sections 2-4): spec output is the target's own output.
 
 Models: the deterministic random `tiny-random` target and `tiny-random-draft`,
 float32 on CPU. With fp32 tiny-random weights greedy spec-on and spec-off agree
 token for token, so exact equality is the main assertion; the tie-aware
-comparator of DESIGN section 6 (tests/engine_helpers.py) is checked beside it.
+comparator of docs/design.md section 6 (tests/engine_helpers.py) is checked beside it.
 
 Compiles dominate the runtime here, so most tests share one shape family (see
 engine_helpers): the ragged batch RAGGED (prompt lengths 3, 9, 17, 30), 40 new
@@ -92,7 +92,7 @@ def test_greedy_spec_equals_plain_decoding(drafter):
 
 
 # ----------------------------------------------------------------------------
-# Tie-aware comparator (DESIGN section 6)
+# Tie-aware comparator (docs/design.md section 6)
 
 
 def test_tie_aware_comparator_flags_a_large_margin_divergence():

@@ -1,4 +1,4 @@
-"""The engine's seams (DESIGN section 9): a drafter that reads the target's hidden states
+"""The engine's seams (docs/design.md section 9): a drafter that reads the target's hidden states
 runs through the engine with no edit of it.
 
 `FeatureRecorder` declares `reads_hidden = (0, FINAL_NORM)`, proposes with the

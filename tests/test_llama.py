@@ -306,7 +306,7 @@ def test_byte_tokenizer():
 # The target pass with explicit positions, block masks and hidden states (specdec_jax.target)
 
 PREFIX = 5  # committed tokens before the block
-# A token tree of 6 nodes after t0 (node 0): parent of node i (DESIGN section 10); depth = hops to node 0
+# A token tree of 6 nodes after t0 (node 0): parent of node i (docs/design.md section 10); depth = hops to node 0
 TREE_PARENTS = [-1, 0, 0, 1, 1, 3]
 
 

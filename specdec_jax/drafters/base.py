@@ -1,4 +1,4 @@
-"""The drafter protocol (DESIGN sections 5 and 9).
+"""The drafter protocol (docs/design.md sections 5 and 9).
 
 A drafter is a frozen, hashable dataclass (it is a static argument of the
 jitted round) whose arrays live in `params`, a field left out of hashing and
@@ -35,7 +35,7 @@ policy, `engine.shape`, does not speculate): it returns no drafts but keeps its
 state in step with the committed tokens, as a drafter with its own cache must.
 
 A drafter keeps no committed length of its own: `ctx.num_tokens` says what is
-committed, so rejected drafts are rolled back for free (DESIGN section 2).
+committed, so rejected drafts are rolled back for free (docs/design.md section 2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic token tree, grown from any drafter that scores children (DESIGN section 10).
+"""EAGLE-2's dynamic token tree, grown from any drafter that scores children (docs/design.md section 10).
 
 Depth 1 holds the K most likely first tokens. At each next depth the K best
 candidates of the previous depth (by cumulative log-probability, the frontier)

@@ -1,4 +1,4 @@
-"""EAGLE-style drafting from the target's own features (DESIGN section 9).
+"""EAGLE-style drafting from the target's own features (docs/design.md section 9).
 
 The head is one Llama decoder layer with its own KV cache. Its input at
 sequence position j is

@@ -4,7 +4,7 @@ Each round the drafter first feeds the 2-token window `[token at n-1, t0]` at
 slots n-1, n (n = committed tokens in the target cache), then gamma-1 single
 drafted tokens. The window rewrites slot n-1, which holds the previous round's
 last draft d_gamma when all drafts were accepted: that token was never fed to
-the drafter (the all-accepted trap of DESIGN section 2). With a 1-token prompt
+the drafter (the all-accepted trap of docs/design.md section 2). With a 1-token prompt
 (n = 0) the window starts at slot 0 and the logits of t0 are read at index 0.
 
 A draft with a reduced output vocabulary (`LlamaConfig.output_vocab_size`, the
