@@ -1,4 +1,14 @@
-"""What every experiment script shares: Spec-Bench prompt subsets, and writing JSON + markdown table + PNG."""
+"""What the experiment scripts share.
+
+- where results go (`RESULTS`) and how they are written: `save` (JSON + markdown table + PNG),
+  `write_json`, `markdown_table`, `pyplot`, `category_bars` (one bar group per Spec-Bench category);
+- Spec-Bench prompt sets, read from `$SPEC_BENCH` at run time and written to a temporary JSONL
+  (never into the repository): `spec_bench_subset` (the first questions of every category) and
+  `recipe_questions` + `prompts_file` (the recipes' training or held-out split, optionally only
+  some categories or prompts of at most so many tokens);
+- the drafters the recipes leave in the cache (`HEAD_CONFIGS`, `run_folder`, `standalone_draft`,
+  `cached_draft_model`), so that `--draft-model` can be left out.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +17,16 @@ import json
 import pathlib
 import tempfile
 
-from specdec_jax.data import spec_bench_questions
-
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs" / "train"  # found from any working directory
+
+HEAD_CONFIGS = {"eagle": str(CONFIGS / "smollm2-eagle.yaml"), "medusa": str(CONFIGS / "smollm2-medusa.yaml")}
+DRAFT_CONFIG = str(CONFIGS / "smollm2-draft.yaml")
+STANDALONE_DRAFT = "drafts/smollm2-recipe"  # where experiments/train_draft_recipe.py trains its draft
+OPEN_ENDED = ("writing", "roleplay", "qa")  # the categories where prompt lookup finds least to copy
+
+
+# ---------------------------------------------------------------- writing results
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -18,15 +35,22 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]) + "\n"
 
 
-def save(out: pathlib.Path, payload: dict, table: str, figure=None, png: str = "plot.png") -> None:
-    """Writes out/results.json, out/table.md and (if given) the matplotlib figure as out/<png>; prints the table."""
+def write_json(path: pathlib.Path, payload, indent: int = 1) -> None:
+    path.write_text(json.dumps(payload, indent=indent, default=str))
+
+
+def save(out: pathlib.Path, payload: dict, table: str, figure=None, png: str = "plot.png",
+         data: str = "results.json") -> None:
+    """Writes out/<data> (JSON), out/table.md and (if given) the matplotlib figure as out/<png>; prints the
+    table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+    write_json(out / data, payload)
     (out / "table.md").write_text(table)
     if figure is not None:
         figure.tight_layout()
         figure.savefig(out / png, dpi=120)
-    print(table, end="")
+        pyplot().close(figure)
+    print(table, end="" if table.endswith("\n") else "\n")
     print(f"wrote {out}")
 
 
@@ -39,18 +63,124 @@ def pyplot():
     return plt
 
 
+def category_bars(ax, categories: list[str], series: dict[str, list[float]], ylabel: str = "",
+                  title: str = "", one_line: bool = False) -> None:
+    """One bar group per category, one bar per series (label -> a value per category; NaN for none);
+    a line at 1.0 when `one_line` (speedups)."""
+    import numpy as np
+
+    x = np.arange(len(categories))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar(x + (i - len(series) / 2 + 0.5) * width, values, width, label=label)
+    if one_line:
+        ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, categories, rotation=30, ha="right")
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize=8, ncol=min(len(series), 4))
+
+
+# ---------------------------------------------------------------- Spec-Bench prompt sets
+
+
+def first_per_category(questions: list[dict], per_category: int | None = None,
+                       categories: list[str] | None = None, keep=None) -> list[dict]:
+    """The first `per_category` (None: all) questions of each category, in file order, among those of
+    `categories` (None: all) that `keep` (None: every question) accepts."""
+    seen: dict[str, int] = {}
+    chosen = []
+    for q in questions:
+        cat = q["category"]
+        if categories is not None and cat not in categories or keep is not None and not keep(q):
+            continue
+        if per_category is None or seen.get(cat, 0) < per_category:
+            seen[cat] = seen.get(cat, 0) + 1
+            chosen.append(q)
+    return chosen
+
+
+@contextlib.contextmanager
+def prompts_file(questions: list[dict]):
+    """Path of a temporary JSONL of the questions' first turns (Spec-Bench's own fields), removed on exit."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "prompts.jsonl"
+        path.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
+                                              "turns": q["turns"][:1]}) for q in questions))
+        yield path
+
+
 @contextlib.contextmanager
 def spec_bench_subset(per_category: int, categories: list[str] | None = None):
     """Path of a temporary JSONL with the first `per_category` Spec-Bench questions of each category
-    (read from the shared data at run time, never copied into the repository)."""
-    seen: dict[str, int] = {}
-    chosen = []
-    for q in spec_bench_questions():
-        cat = q["category"]
-        if (categories is None or cat in categories) and seen.get(cat, 0) < per_category:
-            seen[cat] = seen.get(cat, 0) + 1
-            chosen.append({"question_id": q["question_id"], "category": cat, "turns": q["turns"][:1]})
-    with tempfile.TemporaryDirectory() as folder:
-        path = pathlib.Path(folder) / "prompts.jsonl"
-        path.write_text("\n".join(json.dumps(q) for q in chosen))
+    (all of Spec-Bench, not only the held-out split)."""
+    from specdec_jax.data import spec_bench_questions
+
+    with prompts_file(first_per_category(spec_bench_questions(), per_category, categories)) as path:
         yield path
+
+
+def recipe_questions(split: str = "heldout", per_category: int | None = None, categories: list[str] | None = None,
+                     max_prompt_tokens: int | None = None, tokenizer=None, config: str = HEAD_CONFIGS["eagle"]
+                     ) -> list[dict]:
+    """Spec-Bench questions of the recipes' training or held-out split (`heldout_per_category` of
+    `config`: the 5 highest question ids of each category are held out, never trained on), the first
+    `per_category` of each of `categories`, optionally only those whose first turn in the chat template
+    has at most `max_prompt_tokens` tokens (counted with `tokenizer`, default SmolLM2-135M's)."""
+    from specdec_jax.data import spec_bench_questions
+    from specdec_jax.distill.config import train_config
+    from specdec_jax.distill.data import split_questions
+
+    tc = train_config(config)
+    train, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
+    keep = None
+    if max_prompt_tokens:
+        from specdec_jax.runner import encode
+
+        if tokenizer is None:
+            from specdec_jax.models import load_model
+
+            tokenizer = load_model(tc.target).tokenizer
+        keep = lambda q: len(encode(tokenizer, q["turns"][0], False)) <= max_prompt_tokens  # noqa: E731
+    chosen = first_per_category(train if split == "train" else held, per_category, categories, keep)
+    if max_prompt_tokens:
+        print(f"{len(chosen)} prompts of at most {max_prompt_tokens} tokens", flush=True)
+    return chosen
+
+
+def prompt_record(question: dict) -> dict:
+    """A question as the runner's prompt record: {"id", "category", "prompt"} (its first turn)."""
+    return {"id": question["question_id"], "category": question["category"], "prompt": question["turns"][0]}
+
+
+# ---------------------------------------------------------------- drafters the recipes leave in the cache
+
+
+def run_folder(kind: str) -> pathlib.Path:
+    """The cache folder `experiments/eagle_recipe.py` trains head `kind` (eagle, medusa) in."""
+    from specdec_jax.models.fetch import cache_dir
+
+    return cache_dir() / "heads" / pathlib.Path(HEAD_CONFIGS[kind]).stem
+
+
+def standalone_draft() -> pathlib.Path | None:
+    """The standalone draft `experiments/train_draft_recipe.py` left in the cache, or None."""
+    from specdec_jax.models.fetch import cache_dir
+
+    draft = cache_dir() / STANDALONE_DRAFT / "draft"
+    return draft if (draft / "specdec_model.json").is_file() else None
+
+
+def cached_draft_model(drafter: str) -> str | None:
+    """The `--draft-model` of `drafter` the recipes left in the cache (None for the n-gram and oracle
+    drafters); exits with the command to run when it is missing."""
+    if drafter in HEAD_CONFIGS:
+        head = run_folder(drafter) / "head"
+        if not head.is_dir():
+            raise SystemExit(f"no {drafter} head in {head}: `python experiments/eagle_recipe.py` trains one")
+        return str(head)
+    if drafter == "draft-model":
+        draft = standalone_draft()
+        if draft is None:
+            raise SystemExit("no standalone draft in the cache: `python experiments/train_draft_recipe.py` trains one")
+        return str(draft)
+    return None

@@ -1,5 +1,8 @@
-"""Issue 16's recipe: train (or reuse) an EAGLE head and Medusa heads for SmolLM2-135M, then bench
-them beside the n-gram drafter on held-out Spec-Bench questions.
+"""The EAGLE recipe (and Medusa beside it): train or reuse both heads for SmolLM2-135M, then bench
+them beside the n-gram drafter and the standalone draft on the held-out Spec-Bench questions.
+
+Makes the entries "Which drafter is fastest at `--gamma auto`, and how far are the trained heads
+from their targets?" and "Which drafter wins on which Spec-Bench category?" of experiments/README.md.
 
     python experiments/eagle_recipe.py [--per-category 1] [--max-new-tokens 128] [--temperatures 0 0.7]
 
@@ -12,56 +15,41 @@ them beside the n-gram drafter on held-out Spec-Bench questions.
    the first `--per-category` held-out questions (never trained on) of every category, batch 1,
    at each temperature, each drafter at `--gamma auto` (the shape chosen per round from this
    device's measured costs and the row's acceptance) unless `--gamma DRAFTER=G` fixes it. The
-   standalone draft of issue 7 (`draft-model`, left in the cache by
-   `python experiments/train_draft_recipe.py`) is benched beside the heads when it is there.
+   standalone draft (`draft-model`, left in the cache by `python experiments/train_draft_recipe.py`)
+   is benched beside the heads when it is there.
 
-Writes summary.json (per drafter and temperature: acceptance_pos1, tokens_per_round, speedup,
-speedup_open_ended (writing + roleplay + qa), td_over_t1, tv_over_t1, gamma), table.md (per
-category: tokens per round and speedup of each drafter), per_category.png and every bench report
-and the heads' training curves to experiments/results/eagle_recipe.
+Writes to experiments/results/eagle_recipe/: summary.json (per drafter and temperature:
+acceptance_pos1, tokens_per_round, speedup, speedup_open_ended (writing + roleplay + qa),
+td_over_t1, tv_over_t1, gamma), table.md (that table, then per category: tokens per round and
+speedup of each drafter, greedy), per_category.png, one bench report per drafter and temperature
+(bench_<drafter>_t<temperature>.json) and the heads' training curves (training_curve_<kind>.png).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
 import shutil
-import tempfile
 import time
 
-from common import RESULTS, markdown_table, pyplot
+from common import (HEAD_CONFIGS, OPEN_ENDED, RESULTS, STANDALONE_DRAFT, category_bars, markdown_table,
+                    prompts_file, pyplot, recipe_questions, run_folder, save, standalone_draft, write_json)
 
 from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
-from specdec_jax.data import spec_bench_questions
 from specdec_jax.distill.config import train_config
-from specdec_jax.distill.data import split_questions
 from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters.heads import is_head_dir
 from specdec_jax.engine import AUTO
 from specdec_jax.models.fetch import cache_dir
 
-OPEN_ENDED = ("writing", "roleplay", "qa")
-HEAD_CONFIGS = {"eagle": "configs/train/smollm2-eagle.yaml", "medusa": "configs/train/smollm2-medusa.yaml"}
 DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")
-STANDALONE_DRAFT = "drafts/smollm2-recipe/draft"  # where experiments/train_draft_recipe.py leaves its draft
-
-
-def standalone_draft() -> pathlib.Path | None:
-    """The trained standalone draft in the cache, or None."""
-    draft = cache_dir() / STANDALONE_DRAFT
-    return draft if (draft / "specdec_model.json").is_file() else None
 
 
 def gamma_of(text: str) -> int | str:
     return text if text == AUTO else int(text)
-
-
-def run_folder(kind: str) -> pathlib.Path:
-    return cache_dir() / "heads" / pathlib.Path(HEAD_CONFIGS[kind]).stem
 
 
 def trained_head(kind: str, config: pathlib.Path) -> tuple[pathlib.Path, dict, float]:
@@ -90,26 +78,6 @@ def share_data(source: pathlib.Path, target: pathlib.Path) -> None:
         shutil.copytree(source / "data", target / "data")
 
 
-def held_out_questions() -> list[dict]:
-    """The held-out Spec-Bench questions of the heads' split, each with its `order` within its category."""
-    tc = train_config(HEAD_CONFIGS["eagle"])
-    _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
-    seen = collections.Counter()
-    for q in held:
-        q["order"] = seen[q["category"]]
-        seen[q["category"]] += 1
-    return held
-
-
-def heldout_prompts_file(folder: pathlib.Path) -> pathlib.Path:
-    """A prompts file (first turns) of the held-out Spec-Bench questions of the heads' split, in `folder`."""
-    held = held_out_questions()
-    path = folder / "heldout_prompts.jsonl"
-    path.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
-                                          "turns": q["turns"][:1]}) for q in held))
-    return path
-
-
 def reusable_report(path: pathlib.Path, cfg: RunConfig, per_category: int) -> dict | None:
     """The bench report at `path` if it benched `cfg` (its prompts file aside) on the first `per_category`
     held-out questions of each category, else None."""
@@ -117,7 +85,7 @@ def reusable_report(path: pathlib.Path, cfg: RunConfig, per_category: int) -> di
         return None
     report = json.loads(path.read_text())
     config = {k: v for k, v in json.loads(json.dumps(cfg.to_dict(), default=str)).items() if k != "prompts_file"}
-    wanted = [q["question_id"] for q in held_out_questions() if q["order"] < per_category]
+    wanted = [q["question_id"] for q in recipe_questions("heldout", per_category)]
     same = {k: v for k, v in report["config"].items() if k != "prompts_file"} == config
     return report if same and [i for b in report["batches"] for i in b["ids"]] == wanted else None
 
@@ -145,12 +113,16 @@ def main(argv=None) -> int:
     parser.add_argument("--reuse-benches", action="store_true",
                         help="keep the bench reports already in --out that ran the same config on the same prompts "
                              "(e.g. to add the standalone draft without benching the others again)")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="train and bench nothing: write table.md and per_category.png again from --out")
     args = parser.parse_args(argv)
+    if args.tables_only:
+        return rewrite_tables(args.out)
     gammas = dict.fromkeys(DRAFTERS, AUTO) | {k: gamma_of(v) for k, v in (g.split("=") for g in args.gamma)}
     if args.drafters is None:
         args.drafters = [d for d in DRAFTERS if d != "draft-model" or standalone_draft()]
     if "draft-model" in args.drafters and not standalone_draft():
-        parser.error(f"no standalone draft in {cache_dir() / STANDALONE_DRAFT}: "
+        parser.error(f"no standalone draft in {cache_dir() / STANDALONE_DRAFT / 'draft'}: "
                      "`python experiments/train_draft_recipe.py` trains one")
 
     tick = time.perf_counter()
@@ -164,8 +136,7 @@ def main(argv=None) -> int:
         shutil.copy(run_folder(kind) / "training_curve.png", args.out / f"training_curve_{kind}.png")
     tc = train_config(HEAD_CONFIGS["eagle"])
     reports, summary = {}, {}
-    with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
-        prompts = heldout_prompts_file(pathlib.Path(folder))
+    with prompts_file(recipe_questions("heldout")) as prompts:
         for temperature in args.temperatures:
             sampled = args.sampled_drafters or [d for d in args.drafters if d in HEAD_CONFIGS]
             for drafter in args.drafters if temperature == 0 else sampled:
@@ -177,21 +148,29 @@ def main(argv=None) -> int:
                 report = args.reuse_benches and reusable_report(path, cfg, args.per_category)
                 if not report:
                     report = bench(cfg, repeats=1, per_category=args.per_category)
-                    path.write_text(json.dumps(report, indent=1, default=str))
+                    write_json(path, report)
                 reports[name] = report
-                o = report["overall"]
-                summary[name] = {
-                    "drafter": drafter, "temperature": temperature, "gamma": gammas[drafter],
-                    "acceptance_pos1": o["per_position_acceptance"][0], "tokens_per_round": o["tokens_per_round"],
-                    "speedup": o["speedup"], "speedup_open_ended": open_ended_speedup(report),
-                    "td_over_t1": o["Td_ms"] / o["T1_ms"], "tv_over_t1": o["Tv_over_T1"],
-                    "predicted_speedup": o["predicted_speedup"], "tie_aware_equal": o["tie_aware_equal"],
-                    "prompts": o["prompts"]}
+                summary[name] = summary_row(drafter, temperature, gammas[drafter], report)
     total_s = time.perf_counter() - tick
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "heldout_agreement": heldout,
                "train_s": train_s, "total_s": total_s, "results": summary}
-    (args.out / "summary.json").write_text(json.dumps(payload, indent=1, default=str))
+    save(args.out, payload, *tables(payload, reports), png="per_category.png", data="summary.json")
+    return 0
 
+
+def summary_row(drafter: str, temperature: float, gamma, report: dict) -> dict:
+    o = report["overall"]
+    return {"drafter": drafter, "temperature": temperature, "gamma": gamma,
+            "acceptance_pos1": o["per_position_acceptance"][0], "tokens_per_round": o["tokens_per_round"],
+            "speedup": o["speedup"], "speedup_open_ended": open_ended_speedup(report),
+            "td_over_t1": o["Td_ms"] / o["T1_ms"], "tv_over_t1": o["Tv_over_T1"],
+            "predicted_speedup": o["predicted_speedup"], "tie_aware_equal": o["tie_aware_equal"],
+            "prompts": o["prompts"]}
+
+
+def tables(payload: dict, reports: dict) -> tuple[str, object]:
+    """(table.md's text, the per-category figure or None) of a recipe's summary and bench reports."""
+    summary, heldout, train_s = payload["results"], payload["heldout_agreement"], payload["train_s"]
     header = ["drafter", "temperature", "gamma", "accept@1", "tokens/round", "speedup", "open-ended speedup",
               "Td/T1", "Tv/T1", "predicted", "spec = plain"]
     rows = [[s["drafter"], s["temperature"], s["gamma"], s["acceptance_pos1"], s["tokens_per_round"], s["speedup"],
@@ -207,22 +186,22 @@ def main(argv=None) -> int:
     table += ("\nheld-out teacher-forced agreement at draft position 1: "
               + ", ".join(f"{k} {v['agreement']:.3f}" for k, v in heldout.items())
               + "\ntraining (or reuse): " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in train_s.items())
-              + f"; whole recipe: {total_s / 60:.1f} min\n")
-    (args.out / "table.md").write_text(table)
-    if greedy:
-        plt = pyplot()
-        fig, ax = plt.subplots(figsize=(11, 4))
-        width = 0.8 / len(greedy)
-        for i, n in enumerate(greedy):
-            ax.bar([j + i * width for j in range(len(categories))],
-                   [reports[n]["categories"][c]["speedup"] for c in categories], width, label=n[:-3])
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
-        ax.set(ylabel="speedup over plain decoding (greedy)", title="SmolLM2-135M, held-out Spec-Bench, batch 1")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.out / "per_category.png", dpi=120)
-    print(table)
+              + f"; whole recipe: {payload['total_s'] / 60:.1f} min\n")
+    if not greedy:
+        return table, None
+    fig, ax = pyplot().subplots(figsize=(11, 4))
+    category_bars(ax, categories, {n[:-3]: [reports[n]["categories"][c]["speedup"] for c in categories]
+                                   for n in greedy},
+                  ylabel="speedup over plain decoding (greedy)",
+                  title="SmolLM2-135M, held-out Spec-Bench, batch 1, gamma auto", one_line=True)
+    return table, fig
+
+
+def rewrite_tables(out: pathlib.Path) -> int:
+    """table.md and per_category.png again from out/summary.json and the bench reports beside it."""
+    payload = json.loads((out / "summary.json").read_text())
+    reports = {name: json.loads((out / f"bench_{name}.json").read_text()) for name in payload["results"]}
+    save(out, payload, *tables(payload, reports), png="per_category.png", data="summary.json")
     return 0
 
 

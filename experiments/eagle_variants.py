@@ -1,12 +1,14 @@
-"""Issue 16: which training change buys the EAGLE head acceptance, measured on the recipe's cached data.
+"""Which training change buys the EAGLE head acceptance, measured on the EAGLE recipe's cached data.
 
-    python experiments/eagle_variants.py --steps 150 --variant base --variant ce1:ce_weight=1.0 \
-        --variant ttt2:ttt_steps=2
+Makes the entry "Which training change buys the EAGLE head acceptance?" of experiments/README.md.
 
-Each variant is `configs/train/smollm2-eagle.yaml` with `--steps` and its own overrides
+    python experiments/eagle_variants.py --steps 100 --variant base --variant ce1:ce_weight=1.0 \\
+        --variant ceonly:ce_weight=1.0,regression_weight=0
+
+(`--variant ttt2:ttt_steps=2` trains with EAGLE-3's training-time test.) Each variant is `configs/train/smollm2-eagle.yaml` with `--steps` and its own overrides
 (`name:key=value,key=value`), trained from scratch on the data `experiments/eagle_recipe.py`
 cached in `<cache>/heads/smollm2-eagle/data` (run the recipe first; nothing is rebuilt), into
-`<cache>/heads/variants/<name>`. Every variant is then evaluated the same way on the held-out
+`<cache>/heads/variants/<name>-<steps>`. Every variant is then evaluated the same way on the held-out
 windows (question ids never trained on), teacher-forced, with a 2-step training-time test
 unrolled for all of them:
 
@@ -29,8 +31,7 @@ import time
 
 import numpy as np
 import yaml
-from common import RESULTS, markdown_table
-from eagle_recipe import HEAD_CONFIGS, run_folder
+from common import HEAD_CONFIGS, RESULTS, markdown_table, run_folder
 
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.data import Dataset

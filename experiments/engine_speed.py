@@ -1,5 +1,8 @@
 """Engine throughput: plain decoding (gamma 0) vs the oracle drafter (alpha 0.8, gamma 4) on tiny-random.
 
+Makes the entry "How fast is the engine itself: plain decoding vs the oracle drafter on tiny-random?"
+of experiments/README.md; writes results.json and table.md to experiments/results/engine_speed.
+
     python experiments/engine_speed.py [--repeats 5] [--max-new-tokens 128]
 
 Batch 1 and 16, random byte prompts of ragged lengths, greedy, no EOS. Every
@@ -12,11 +15,11 @@ markdown table to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 
 import numpy as np
+from common import RESULTS, save
 
 from specdec_jax.drafters import oracle_drafter
 from specdec_jax.engine import generate
@@ -29,7 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/engine_speed"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "engine_speed")
     args = parser.parse_args(argv)
 
     target = load_model("tiny-random")
@@ -64,15 +67,12 @@ def main(argv=None) -> int:
         }
         records.append(record)
         print(record)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "records": records}, indent=1))
     table = ["| batch | gamma 0 tok/s | gamma 4 (oracle a=0.8) tok/s | ratio | tokens/round | outputs equal |",
              "|---|---|---|---|---|---|"]
     for r in records:
         table.append(f"| {r['batch']} | {r['plain_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
                      f"{r['speedup']:.2f}x | {r['tokens_per_round']:.2f} | {r['outputs_equal']} |")
-    (args.out / "table.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
+    save(args.out, {"args": vars(args) | {"out": str(args.out)}, "records": records}, "\n".join(table) + "\n")
     return 0
 
 

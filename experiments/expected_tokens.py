@@ -1,8 +1,12 @@
-"""Experiment 1: tokens per round, closed form vs simulation through `verify_greedy`.
+"""Tokens per round, closed form vs simulation through `verify_greedy`.
+
+Makes the entry "Does verification reproduce the closed form for tokens per round?" of
+experiments/README.md.
 
     python experiments/expected_tokens.py [--rows 200000] [--out experiments/results/expected_tokens]
 
-Writes `results.json`, `table.md` and `tokens_per_round.png` into --out and
+Each draft equals the target's argmax with probability alpha, independently; rounds go through
+`verify_greedy`. Writes `results.json`, `table.md` and `tokens_per_round.png` into --out and
 prints the table. Exits 1 unless every simulated mean is within 4 standard
 errors of the closed form and the paper's reference values at gamma 4 (3.36 at
 alpha 0.8, 2.31 at 0.6, 4.10 at 0.9) are reproduced within 0.01.
@@ -11,12 +15,12 @@ alpha 0.8, 2.31 at 0.6, 4.10 at 0.9) are reproduced within 0.01.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 import jax
 import numpy as np
+from common import RESULTS, pyplot, save
 from tqdm import tqdm
 
 from specdec_jax.theory import expected_tokens_per_round, simulate_tokens_per_round, tokens_per_round_std
@@ -47,7 +51,7 @@ def run(rows: int, seed: int) -> list[dict]:
     return records
 
 
-def markdown_table(records: list[dict]) -> str:
+def table(records: list[dict]) -> str:
     lines = ["| alpha | gamma | simulated | closed form | abs error | 3 x std error |", "|---|---|---|---|---|---|"]
     for r in records:
         lines.append(
@@ -57,13 +61,8 @@ def markdown_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(records: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(records: list[dict]):
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for alpha in ALPHAS:
         rs = [r for r in records if r["alpha"] == alpha]
         gammas = [r["gamma"] for r in rs]
@@ -74,25 +73,18 @@ def plot(records: list[dict], path: pathlib.Path) -> None:
     ax.set_title(f"Closed form (lines) vs {records[0]['rows']:,} simulated rounds (dots)", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/expected_tokens"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "expected_tokens")
     args = parser.parse_args(argv)
 
     records = run(args.rows, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"seed": args.seed, "records": records}, indent=2))
-    table = markdown_table(records)
-    (args.out / "table.md").write_text(table)
-    plot(records, args.out / "tokens_per_round.png")
-    print(table)
+    save(args.out, {"seed": args.seed, "records": records}, table(records), plot(records), "tokens_per_round.png")
     ok = True
     for r in records:
         if r["abs_error"] > 4 * r["standard_error"]:

@@ -1,8 +1,12 @@
-"""Experiment 5: greedy vs sampling: acceptance and speedup at temperature 0, 0.7 and 1.0.
+"""Greedy vs sampling: the n-gram drafter's acceptance and speedup at temperature 0, 0.7 and 1.0.
 
-    python experiments/greedy_vs_sampling.py [--per-category 1] [--max-new-tokens 64] [--out ...]
+Makes the entry "How do acceptance and speedup change with the sampling temperature?" of
+experiments/README.md; writes results.json, table.md and greedy_vs_sampling.png to
+experiments/results/greedy_vs_sampling (`--out`).
 
-SmolLM2-135M with the n-gram drafter (gamma 4), batch 1, Spec-Bench prompts,
+    python experiments/greedy_vs_sampling.py --per-category 1 --max-new-tokens 64
+
+SmolLM2-135M with the n-gram drafter (gamma 4), batch 1, the first `--per-category` Spec-Bench questions of each category,
 through `specdec_jax.bench` at each temperature (same seed). The n-gram drafter
 is a point mass q, so a draft d is accepted with probability p(d): sampling
 spreads p and lowers acceptance, and with it the speedup. Sampled outputs differ

@@ -1,12 +1,16 @@
-"""Experiment 6: lossless audit: greedy spec vs plain over Spec-Bench, and the sampling law on a toy model.
+"""Lossless audit: greedy spec vs plain over Spec-Bench, and the sampling law on a toy model.
 
-    python experiments/lossless_audit.py [--per-category 5] [--max-new-tokens 128] [--out ...]
+Makes the entry "Is speculative decoding lossless?" of experiments/README.md; writes results.json,
+table.md and lossless_audit.png to experiments/results/lossless_audit (`--out`). Exits 1 if a
+greedy output differs other than at a near-tie, or a chi-square p-value is under 1e-4.
+
+    python experiments/lossless_audit.py --per-category 1 --max-new-tokens 64
 
 Part A (SmolLM2-135M, greedy, n-gram gamma 4, batches of 8 ragged prompts):
 plain and speculative outputs for the first --per-category questions of each
 Spec-Bench category, compared token by token. A divergence is tolerated only at
 a near-tie: the plain run's top-2 logit margin at the first differing position
-below 1e-3 (DESIGN section 6). Reported: exact-match rate, tie-aware equality,
+below 1e-3 (docs/design.md section 6). Reported: exact-match rate, tie-aware equality,
 and each divergence with its position and margin.
 
 Part B (a 6-token random Llama): 65,536 sampled continuations of 3 tokens per

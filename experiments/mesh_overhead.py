@@ -1,5 +1,8 @@
 """Sharding overhead: tokens/s of tiny-random at batch 32 on 1 CPU device vs 8 CPU devices.
 
+Makes the entry "What does partitioning the program cost: 1 vs 8 CPU devices?" of
+experiments/README.md; writes results.json and table.md to experiments/results/mesh_overhead.
+
     python experiments/mesh_overhead.py [--repeats 3] [--max-new-tokens 64]
 
 One subprocess per device count (XLA_FLAGS=--xla_force_host_platform_device_count,
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/mesh_overhead"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).resolve().parent / "results"
+                        / "mesh_overhead")
     parser.add_argument("--worker-mesh", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker_mesh is not None:

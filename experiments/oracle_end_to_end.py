@@ -1,14 +1,17 @@
-"""Experiment 1b: tokens per round end to end (the whole engine, oracle drafter) vs the closed form.
+"""Tokens per round end to end (the whole engine, oracle drafter) vs the closed form.
 
-    python experiments/oracle_end_to_end.py [--max-new-tokens 256] [--out experiments/results/oracle_end_to_end]
+Makes the entry "Does the whole engine reproduce the closed form end to end?" of experiments/README.md.
+
+    python experiments/oracle_end_to_end.py --max-new-tokens 128 [--out experiments/results/oracle_end_to_end]
 
 A `specdec-jax sweep` over alpha x gamma on `tiny-random` (16 ragged rows,
 greedy, EOS ignored): the oracle drafter proposes the target's own token with
 probability alpha per position, so tokens per round should be
 `(1 - alpha^(gamma+1)) / (1 - alpha)`. Each row's last round is clipped by the
 budget, which biases the end-to-end mean slightly low (about -0.02 at alpha 0.8,
-gamma 4, 256 tokens). Writes the sweep's own files plus table.md and
-oracle_end_to_end.png; exits 1 if a point is more than 4 standard errors off.
+gamma 4, 256 tokens). Writes sweep.yaml, the sweep's own files (sweep/: results.jsonl, results.csv,
+table.md, one PNG per grid axis), results.json, table.md and oracle_end_to_end.png; exits 1 if a
+point is more than 4 standard errors off.
 """
 
 from __future__ import annotations

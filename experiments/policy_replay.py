@@ -1,4 +1,6 @@
-"""Issue 17: gamma auto's shape choices replayed offline, to tune the estimator without timing runs.
+"""`--gamma auto`'s shape choices replayed offline, to tune the policy's estimator without timing runs.
+
+Makes the entry "Which prior should the shape policy start from?" of experiments/README.md.
 
 Greedy verification makes a run's tokens those of plain decoding, and the n-gram
 drafter's proposal depends only on the committed tokens, so what each round
@@ -7,21 +9,21 @@ one plain run per prompt. This script makes those plain runs, computes the
 drafter's proposal at every committed length (the real `NgramDrafter`, on
 device), and runs the shape policy's own functions (`engine.shape`:
 `choose_draft`, `choose_verify`, `update`) round by round (batches of
-`--batch-size` rows in file order, as `bench` makes them), pricing
+each of `--batch-sizes` rows in file order, as `bench` makes them), pricing
 each round with this device's calibrated costs (`engine.calibrated_costs`,
 the cache a run at that capacity uses). Per batch it writes the policy's
 predicted speedup (the longest row's plain rounds over the priced rounds) and
-the verify widths chosen, for each estimator setting of `--grid`. Tune on the training split
-(`--split train`, the default), check on the held-out questions; with
-`--bench REPORT` (an auto bench of the same prompts and settings) the
+the verify widths chosen, for each estimator setting of `--grid`, to
+experiments/results/policy_replay/<split>_b<batch>/ (results.json, table.md). Tune on the
+training split (`--split train`, the default), check on the held-out questions; with
+`--bench REPORT` (an auto bench of the same prompts and one batch size) the
 bench's widths are kept beside the replay's, which checks that the replay is
 the run.
 
-    python experiments/policy_replay.py --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
-    python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.7 \
-        --bench experiments/results/auto_shape/rounds/bench_ngram_b1_gauto.json
-    python experiments/policy_replay.py --split heldout --batch-size 4 --max-prompt-tokens 1024 --grid prior=0.7 \
-        --bench experiments/results/auto_shape/rounds/bench_ngram_b4_gauto.json
+    python experiments/policy_replay.py --batch-sizes 1 4 --max-prompt-tokens 1024 \\
+        --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
+    python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.5 \\
+        --bench experiments/results/auto_shape/batch1/bench_ngram_b1_gauto.json
 """
 
 from __future__ import annotations
@@ -31,28 +33,19 @@ import functools
 import itertools
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import RESULTS, markdown_table, prompt_record, recipe_questions, save
+from tqdm import tqdm
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import markdown_table, save  # noqa: E402
-from eagle_recipe import HEAD_CONFIGS  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from specdec_jax import engine  # noqa: E402
-from specdec_jax.config import RunConfig  # noqa: E402
-from specdec_jax.data import spec_bench_questions  # noqa: E402
-from specdec_jax.distill.config import train_config  # noqa: E402
-from specdec_jax.distill.data import split_questions  # noqa: E402
-from specdec_jax.drafters.base import DraftContext  # noqa: E402
-from specdec_jax.engine import ShapePolicy, shape  # noqa: E402
-from specdec_jax.models import load_model  # noqa: E402
-from specdec_jax.runner import build_drafter, encode, stop_ids  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).parent / "results" / "policy_replay"
+from specdec_jax import engine
+from specdec_jax.config import RunConfig
+from specdec_jax.drafters.base import DraftContext
+from specdec_jax.engine import ShapePolicy, shape
+from specdec_jax.models import load_model
+from specdec_jax.runner import build_drafter, encode, stop_ids
 
 
 def proposals(drafter, sequence: list[int], prompt_len: int, gamma: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,20 +123,6 @@ def parse_grid(items: list[str]) -> list[dict]:
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 
-def questions(split: str, per_category: int, keep=lambda question: True) -> list[dict]:
-    """The first `per_category` questions of each category, among those `keep` accepts, of the
-    heads' training or held-out split (`experiments/eagle_recipe.py`), as prompt records."""
-    tc = train_config(HEAD_CONFIGS["eagle"])
-    train, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
-    seen: dict[str, int] = {}
-    records = []
-    for q in train if split == "train" else held:
-        if seen.get(q["category"], 0) < per_category and keep(q):
-            seen[q["category"]] = seen.get(q["category"], 0) + 1
-            records.append({"id": q["question_id"], "category": q["category"], "prompt": q["turns"][0]})
-    return records
-
-
 def batch_name(chunk: list[dict]) -> str:
     return "+".join(dict.fromkeys(r["category"] for r in chunk))
 
@@ -154,20 +133,21 @@ def main(argv=None) -> int:
     parser.add_argument("--split", choices=("train", "heldout"), default="train",
                         help="tune on training-split questions; check on the held-out ones")
     parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=1, help="rows per batch, in file order (as bench)")
+    parser.add_argument("--batch-sizes", "--batch-size", type=int, nargs="+", default=[1], dest="batch_sizes",
+                        help="rows per batch, in file order (as bench); one replay per batch size")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="as experiments/auto_shape.py")
     parser.add_argument("--bench", type=pathlib.Path, default=None,
                         help="an auto bench report of the same prompts and batch size: its verify widths are kept "
                              "beside the replay's (they agree when the replay is exact)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "policy_replay")
     args = parser.parse_args(argv)
     cfg = RunConfig(max_new_tokens=args.max_new_tokens)
     target = load_model(cfg.model)
     tok = target.tokenizer
     drafter = build_drafter(cfg, target)
-    short = lambda q: not args.max_prompt_tokens or len(encode(tok, q["turns"][0], cfg.raw)) <= args.max_prompt_tokens
-    records = questions(args.split, args.per_category, short)
+    records = [prompt_record(q) for q in recipe_questions(args.split, args.per_category,
+                                                          max_prompt_tokens=args.max_prompt_tokens, tokenizer=tok)]
     bench_widths = {}
     if args.bench:
         bench_widths = {tuple(map(str, b["ids"])): b["width_rounds"]
@@ -178,29 +158,30 @@ def main(argv=None) -> int:
         out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.max_new_tokens,
                               stop_ids=stop_ids(cfg, tok)).tokens[0]
         tables[r["id"]], lengths[r["id"]] = proposals(drafter, p + out, len(p), gamma), len(p)
-    batches = [records[i : i + args.batch_size] for i in range(0, len(records), args.batch_size)]
-    rows, results = [], []
-    for setting in parse_grid(args.grid):
-        per_batch = []
-        for chunk in batches:
-            size = 1 << (len(chunk) - 1).bit_length()
-            capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.max_new_tokens, gamma)
-            costs = engine.calibrated_costs(target, drafter, size, capacity)
-            cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
-                                  cfg.max_new_tokens, size)
-            longest = max(len(tables[r["id"]][0]) for r in chunk)
-            per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk), "plain_rounds": longest,
-                              "cost": cost, "speedup": longest / cost, "widths": widths,
-                              "bench_widths": bench_widths.get(tuple(str(r["id"]) for r in chunk))})
-        overall = sum(b["plain_rounds"] for b in per_batch) / sum(b["cost"] for b in per_batch)
-        worst = min(per_batch, key=lambda b: b["speedup"])
-        results.append({"setting": setting, "overall": overall, "batches": per_batch})
-        rows.append([json.dumps(setting), overall, worst["name"], worst["speedup"]]
-                    + [b["speedup"] for b in per_batch])
-    header = ["setting", "overall", "worst", "worst speedup"] + [b["name"] for b in per_batch]
-    payload = {"split": args.split, "batch_size": args.batch_size, "records": [r["id"] for r in records],
-               "results": results}
-    save(args.out / f"{args.split}_b{args.batch_size}", payload, markdown_table(header, rows))
+    for batch_size in args.batch_sizes:
+        batches = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
+        rows, results = [], []
+        for setting in parse_grid(args.grid):
+            per_batch = []
+            for chunk in batches:
+                size = 1 << (len(chunk) - 1).bit_length()
+                capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.max_new_tokens, gamma)
+                costs = engine.calibrated_costs(target, drafter, size, capacity)
+                cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
+                                      cfg.max_new_tokens, size)
+                longest = max(len(tables[r["id"]][0]) for r in chunk)
+                per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk),
+                                  "plain_rounds": longest, "cost": cost, "speedup": longest / cost, "widths": widths,
+                                  "bench_widths": bench_widths.get(tuple(str(r["id"]) for r in chunk))})
+            overall = sum(b["plain_rounds"] for b in per_batch) / sum(b["cost"] for b in per_batch)
+            worst = min(per_batch, key=lambda b: b["speedup"])
+            results.append({"setting": setting, "overall": overall, "batches": per_batch})
+            rows.append([json.dumps(setting), overall, worst["name"], worst["speedup"]]
+                        + [b["speedup"] for b in per_batch])
+        header = ["setting", "overall", "worst", "worst speedup"] + [b["name"] for b in per_batch]
+        payload = {"split": args.split, "batch_size": batch_size, "records": [r["id"] for r in records],
+                   "results": results}
+        save(args.out / f"{args.split}_b{batch_size}", payload, markdown_table(header, rows))
     return 0
 
 

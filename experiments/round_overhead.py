@@ -1,6 +1,10 @@
 """What a round of `--gamma auto` costs when it verifies nothing, against a plain decoding round.
 
-    python experiments/round_overhead.py [--batches 1 4 16 32] [--capacities 512 1024] [--repeats 5]
+Makes the entry "What does a round of `--gamma auto` cost when it verifies nothing?" of
+experiments/README.md; writes results.json and table.md to experiments/results/round_overhead
+(`--out`).
+
+    python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
@@ -11,7 +15,7 @@ and rows of 64 random tokens, rounds in a loop as the decoding loop runs them
 donated): plain rounds, and auto rounds forced to draft and verify nothing
 (`DecodeState.forced_shape` (0, 0)), and auto rounds forced to the widest shape.
 The two programs alternate, so a change in the machine's load hits both; medians
-of ``--repeats``. Writes JSON and a markdown table to ``--out``.
+of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import RESULTS, save
 
 from specdec_jax.drafters import NgramDrafter
 from specdec_jax.engine.batching import prepare
 from specdec_jax.engine.round import decode_round
 from specdec_jax.engine.shape import ShapePolicy
-from specdec_jax.engine.calibration import AUTO_GAMMAS, CALIBRATION_PROMPT, CALIBRATION_ROUNDS
+from specdec_jax.engine.calibration import CALIBRATION_PROMPT, CALIBRATION_ROUNDS
+from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models import load_model
 
 ROUNDS = CALIBRATION_ROUNDS
@@ -62,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/round_overhead"))
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "round_overhead")
     args = parser.parse_args(argv)
 
     target = load_model(args.model)
@@ -93,15 +99,12 @@ def main(argv=None) -> int:
             print(json.dumps(record), flush=True)
             records.append(record)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "round_overhead.json").write_text(json.dumps(records, indent=1))
     lines = ["| capacity | batch | plain ms | auto, nothing verified ms | ratio | auto, widest ms | ratio |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['capacity']} | {r['batch']} | {r['plain_ms']:.1f} | {r['auto_none_ms']:.1f} | "
               f"{r['none_over_plain']:.3f} | {r['auto_widest_ms']:.1f} | {r['widest_over_plain']:.2f} |"
               for r in records]
-    (args.out / "round_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(args.out, records, "\n".join(lines) + "\n")
     return 0
 
 

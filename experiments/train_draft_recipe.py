@@ -1,6 +1,11 @@
-"""Issue 7's recipe: distil a draft for SmolLM2-135M-Instruct, then bench it on held-out prompts.
+"""The standalone-draft recipe: distil a 2-layer draft for SmolLM2-135M-Instruct, then bench it on
+held-out prompts.
 
-    python experiments/train_draft_recipe.py [--gamma 3] [--per-category 5] [--max-new-tokens 128]
+Makes the entry "Can a distilled standalone draft for SmolLM2 reach useful acceptance?" of
+experiments/README.md, and leaves the draft in the cache, where `experiments/eagle_recipe.py`
+benches it beside the EAGLE and Medusa heads.
+
+    python experiments/train_draft_recipe.py [--gamma 2] [--per-category 5] [--max-new-tokens 128]
 
 1. `specdec-jax train-draft --config configs/train/smollm2-draft.yaml` into
    `<cache>/drafts/smollm2-recipe` (data, checkpoints and the draft stay out of the
@@ -10,7 +15,7 @@
    and qa: greedy, then temperature 0.7.
 
 Writes results.json, table.md, training_curve.png and one bench report per temperature
-(bench_t0.json, bench_t0.7.json; experiment 4 reads the greedy one) to experiments/results/draft_recipe.
+(bench_t0.json, bench_t0.7.json) to experiments/results/draft_recipe.
 """
 
 from __future__ import annotations
@@ -19,25 +24,21 @@ import argparse
 import json
 import pathlib
 import shutil
-import tempfile
 import time
 
-from common import RESULTS, markdown_table
+from common import (DRAFT_CONFIG, OPEN_ENDED, RESULTS, STANDALONE_DRAFT, markdown_table, prompts_file,
+                    recipe_questions, save, write_json)
 
 from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
-from specdec_jax.data import spec_bench_questions
 from specdec_jax.distill.config import train_config
-from specdec_jax.distill.data import split_questions
 from specdec_jax.distill.train import train_draft
 from specdec_jax.models.fetch import cache_dir
-
-OPEN_ENDED = ("writing", "roleplay", "qa")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=pathlib.Path, default=pathlib.Path("configs/train/smollm2-draft.yaml"))
+    parser.add_argument("--config", type=pathlib.Path, default=pathlib.Path(DRAFT_CONFIG))
     parser.add_argument("--run", type=pathlib.Path, default=None, help="training folder (default: in the cache)")
     parser.add_argument("--gamma", type=int, default=2, help="2: on this CPU Tv/T1 grows fast with the width")
     parser.add_argument("--per-category", type=int, default=5)
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     tc = train_config(args.config)
-    run = args.run or cache_dir() / "drafts" / "smollm2-recipe"
+    run = args.run or cache_dir() / STANDALONE_DRAFT
     tick = time.perf_counter()
     draft = run / "draft"
     if not (draft / "specdec_model.json").is_file():
@@ -57,20 +58,14 @@ def main(argv=None) -> int:
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     heldout = [r for r in log if "heldout" in r][-1]["heldout"]
 
-    _, held = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
-    chosen = [q for q in held if q["category"] in OPEN_ENDED]
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = tempfile.TemporaryDirectory()  # Spec-Bench text is read at run time, never written to the repository
-    prompts = pathlib.Path(folder.name) / "heldout_prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"question_id": q["question_id"], "category": q["category"],
-                                             "turns": q["turns"][:1]}) for q in chosen))
     reports = {}
-    for temperature in args.temperatures:
-        cfg = RunConfig(model=tc.target, drafter="draft-model", draft_model=str(draft), gamma=args.gamma,
-                        temperature=temperature, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
-        reports[temperature] = bench(cfg, repeats=1, per_category=args.per_category)
-        (args.out / f"bench_t{temperature:g}.json").write_text(json.dumps(reports[temperature], indent=1, default=str))
-    folder.cleanup()
+    with prompts_file(recipe_questions("heldout", categories=list(OPEN_ENDED), config=str(args.config))) as prompts:
+        for temperature in args.temperatures:
+            cfg = RunConfig(model=tc.target, drafter="draft-model", draft_model=str(draft), gamma=args.gamma,
+                            temperature=temperature, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
+            reports[temperature] = bench(cfg, repeats=1, per_category=args.per_category)
+            write_json(args.out / f"bench_t{temperature:g}.json", reports[temperature])
     total_s = time.perf_counter() - tick
     shutil.copy(run / "training_curve.png", args.out / "training_curve.png")
 
@@ -87,12 +82,9 @@ def main(argv=None) -> int:
     table += (f"\nheld-out teacher-forced greedy agreement at the end of training: {heldout['agreement']:.3f} "
               f"(loss {heldout['loss']:.3f})\ntraining (data + steps, or reuse): {train_s / 60:.1f} min; "
               f"whole recipe: {total_s / 60:.1f} min\n")
-    (args.out / "table.md").write_text(table)
-    (args.out / "results.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "train_config": tc.to_dict(), "heldout": heldout,
-         "train_s": train_s, "total_s": total_s, "bench": {str(t): r for t, r in reports.items()}}, indent=1,
-        default=str))
-    print(table)
+    save(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "train_config": tc.to_dict(),
+                    "heldout": heldout, "train_s": train_s, "total_s": total_s,
+                    "bench": {str(t): r for t, r in reports.items()}}, table)
     return 0
 
 

@@ -1,28 +1,36 @@
-"""Issue 18: token trees against chains, per Spec-Bench category, and the verify cost curve Tv(N)/T1.
+"""Token trees against chains, per Spec-Bench category, and the verify cost curve Tv(N)/T1.
 
-For each shape, `specdec-jax bench` runs the drafter beside plain decoding (side by side in one
-run, medians) on the held-out Spec-Bench questions of the heads' split
-(`experiments/eagle_recipe.py`), the first `--per-category` of each of `--categories`, batch 1,
-greedy. A shape is `g4` (a chain of gamma 4) or `t16x4x4` (a tree of 16 nodes, depth 4,
-top-4: n-gram matches, EAGLE's or the draft model's expansion, Medusa's ranks; for Medusa,
-`--tree-choices FILE` adds the static tree of a choices file, named `c<file stem>`). Also measured, on this device:
-the target pass at each of `--widths` tokens over T1 (the cost of verifying N nodes), and,
-from it, the speedup the cost model predicts on a device where Tv(N) is about T1 (a
+Makes the entries of experiments/README.md "How much do token trees raise tokens per round, for
+each drafter?" (`--tokens-only --out experiments/results/tree_shapes/tokens`), "Does the n-gram
+trie beat the chain on copy-heavy categories?" (`.../tokens_ngram`) and "Does a 16-node tree pay
+in wall-clock time on this CPU?" (`.../timed_<drafter>`).
+
+For each drafter and shape, `specdec-jax bench` runs the drafter beside plain decoding (side by
+side in one run, medians) on the held-out Spec-Bench questions of the recipes' split, the first
+`--per-category` of each of `--categories`, batch 1, greedy. A shape is `g4` (a chain of gamma 4)
+or `t16x4x4` (a tree of 16 nodes, depth 4, top-4: n-gram matches, EAGLE's or the draft model's
+expansion, Medusa's ranks; for Medusa, `--tree-choices FILE` adds the static tree of a choices
+file, named `c<file stem>`). `--draft-model` defaults to what the recipes left in the cache
+(`experiments/eagle_recipe.py`, `experiments/train_draft_recipe.py`). Also measured, on this
+device: the target pass at each of `--widths` tokens over T1 (the cost of verifying N nodes),
+and, from it, the speedup the cost model predicts on a device where Tv(N) is about T1 (a
 prediction, not a measurement): tokens per round / (1 + drafting / T1).
 
 `--tokens-only` skips the timing (and plain decoding): tokens per round, which is deterministic
 and hardware-independent, from one `generate` run per category, a few seconds a prompt where a
 timed bench takes about a minute on this CPU.
 
-Writes `experiments/results/tree_shapes/summary.json`, `table.md` and `tree_shapes.png`.
+Writes to `--out` (default experiments/results/tree_shapes): summary.json (merged with the runs
+already there), table.md, tree_shapes.png and, when timed, one bench report per run.
 
-    python experiments/tree_shapes.py --drafter ngram --shapes g4 t8x4x2 t12x4x3 t16x4x4 \\
-        --categories summarization rag math_reasoning translation --per-category 3
-    python experiments/tree_shapes.py --drafter eagle --draft-model ~/.cache/specdec_jax/heads/smollm2-eagle/head \\
-        --shapes g4 t16x4x4
-    python experiments/tree_shapes.py --tokens-only --drafter medusa \
-        --draft-model ~/.cache/specdec_jax/heads/smollm2-medusa/head --shapes g3 t8x4x2 \
-        --tree-choices configs/trees/medusa_4heads_16.json
+    python experiments/tree_shapes.py --tokens-only --drafter eagle draft-model medusa \\
+        --shapes g4 t8x4x2 t16x4x4 --tree-choices configs/trees/medusa_4heads_16.json --per-category 2 \\
+        --out experiments/results/tree_shapes/tokens
+    python experiments/tree_shapes.py --tokens-only --drafter ngram --shapes g4 g8 t8x4x2 t12x4x3 t16x4x4 \\
+        t16x8x2 t24x8x3 --categories summarization rag extraction translation --per-category 5 \\
+        --out experiments/results/tree_shapes/tokens_ngram
+    python experiments/tree_shapes.py --drafter medusa --shapes t16x4x4 --per-category 1 \\
+        --out experiments/results/tree_shapes/timed_medusa
 """
 
 from __future__ import annotations
@@ -30,20 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
-import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from eagle_recipe import heldout_prompts_file  # noqa: E402
+from common import RESULTS, cached_draft_model, category_bars, prompts_file, pyplot, recipe_questions, write_json
 
-from specdec_jax import engine  # noqa: E402
-from specdec_jax.bench import bench  # noqa: E402
-from specdec_jax.config import RunConfig  # noqa: E402
-from specdec_jax.engine.calibration import time_target_pass  # noqa: E402
-from specdec_jax.models import load_model  # noqa: E402
-from specdec_jax.runner import drop_compiled_programs, prompt_records, run  # noqa: E402
+from specdec_jax import engine
+from specdec_jax.bench import bench
+from specdec_jax.config import RunConfig
+from specdec_jax.engine.calibration import time_target_pass
+from specdec_jax.models import load_model
+from specdec_jax.runner import drop_compiled_programs, prompt_records, run
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "tree_shapes"
+DRAFTERS = ["ngram", "draft-model", "eagle", "medusa"]
 
 
 def shape_fields(shape: str) -> dict:
@@ -62,21 +67,14 @@ def verify_cost_curve(model: str, widths: list[int], context: int = 200) -> dict
     return {w: time_target_pass(run, w) for w in widths}
 
 
-def category_prompts(folder: pathlib.Path, categories: list[str] | None) -> pathlib.Path:
-    path = heldout_prompts_file(folder)
-    if categories:
-        rows = [r for r in map(json.loads, path.read_text().splitlines()) if r["category"] in categories]
-        path.write_text("\n".join(map(json.dumps, rows)))
-    return path
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafter", default="ngram", choices=["ngram", "draft-model", "eagle", "medusa"])
-    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--drafter", nargs="+", default=["ngram"], choices=DRAFTERS, help="one or more drafters")
+    parser.add_argument("--draft-model", default=None,
+                        help="with one drafter: its model or head (default: the recipe's, in the cache)")
     parser.add_argument("--shapes", nargs="+", default=["g4", "t8x4x2", "t12x4x3", "t16x4x4"])
     parser.add_argument("--tree-choices", type=pathlib.Path, default=None,
-                        help="a static tree in Medusa's format (JSON rank paths), one more shape: c<stem>")
+                        help="a static tree in Medusa's format (JSON rank paths), one more shape of medusa: c<stem>")
     parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all)")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -84,29 +82,36 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
     parser.add_argument("--ngram-min", type=int, default=RunConfig.ngram_min, help="shortest n-gram the lookup tries")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "tree_shapes")
     args = parser.parse_args(argv)
-    if args.tree_choices is not None and args.drafter != "medusa":
+    if args.tree_choices is not None and "medusa" not in args.drafter:
         parser.error("--tree-choices is a static tree for --drafter medusa")
+    if args.draft_model is not None and len(args.drafter) > 1:
+        parser.error("--draft-model goes with one --drafter")
     shapes = {shape: shape_fields(shape) for shape in args.shapes}
-    if args.tree_choices is not None:
-        shapes[f"c{args.tree_choices.stem}"] = {"tree_choices": str(args.tree_choices)}
+    draft_models = {d: args.draft_model or cached_draft_model(d) for d in args.drafter}
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     curve = verify_cost_curve(RunConfig().model, args.widths)
     summary["verify_cost"] = {str(w): t / curve[1] for w, t in curve.items()}
     summary["T1_ms"] = 1000 * curve[1]
-    with tempfile.TemporaryDirectory() as folder:  # Spec-Bench text is read at run time, never committed
-        prompts = category_prompts(pathlib.Path(folder), args.categories)
-        for shape, fields in shapes.items():
-            cfg = RunConfig(drafter=args.drafter, draft_model=args.draft_model, max_new_tokens=args.max_new_tokens,
-                            prompts_file=str(prompts), ngram_min=args.ngram_min, **fields)
-            name = f"{args.drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != RunConfig.ngram_min else "")
-            summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
-                             else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
-            summary[name].update(drafter=args.drafter, shape=name[len(args.drafter) + 1:])
-            summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    # Spec-Bench text is read at run time, never committed
+    with prompts_file(recipe_questions("heldout", categories=args.categories)) as prompts:
+        for drafter in args.drafter:
+            mine = dict(shapes)
+            if drafter == "medusa" and args.tree_choices is not None:
+                mine[f"c{args.tree_choices.stem}"] = {"tree_choices": str(args.tree_choices)}
+            for shape, fields in mine.items():
+                cfg = RunConfig(drafter=drafter, draft_model=draft_models[drafter],
+                                max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
+                                ngram_min=args.ngram_min, **fields)
+                name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != RunConfig.ngram_min
+                                               else "")
+                summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
+                                 else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
+                summary[name].update(drafter=drafter, shape=name[len(drafter) + 1:])
+                write_json(summary_path, summary)
     (args.out / "table.md").write_text(table(summary))
     plot(summary, args.out / "tree_shapes.png")
     print(table(summary))
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
 def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -> dict:
     """`bench` beside plain decoding: speedups, tokens per round, the cost model's prediction."""
     report = bench(cfg, repeats=repeats, per_category=per_category)
-    path.write_text(json.dumps(report, indent=1, default=str))
+    write_json(path, report)
     overall = report["overall"]
     draft_over_t1 = overall["Td_ms"] * overall["drafts_per_round"] / overall["T1_ms"]
     return {"overall": {k: overall[k] for k in ("speedup", "tokens_per_round", "tie_aware_equal", "prompts",
@@ -180,12 +185,7 @@ def table(summary: dict) -> str:
 
 
 def plot(summary: dict, png: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    plt = pyplot()
     runs = runs_of(summary)
     drafters = sorted({r["drafter"] for r in runs.values()})
     fig, axes = plt.subplots(1, 1 + len(drafters), figsize=(6 + 7 * len(drafters), 4), squeeze=False)
@@ -195,14 +195,10 @@ def plot(summary: dict, png: pathlib.Path) -> None:
     for ax, drafter in zip(axes[0, 1:], drafters):
         mine = {r["shape"]: r for r in runs.values() if r["drafter"] == drafter}
         categories = sorted({c for r in mine.values() for c in r["categories"]}) + ["overall"]
-        x = np.arange(len(categories))
-        for i, (shape, r) in enumerate(mine.items()):
-            values = [(r["overall"] if c == "overall" else r["categories"].get(c, {})).get("tokens_per_round", np.nan)
-                      for c in categories]
-            ax.bar(x + (i - len(mine) / 2 + 0.5) * 0.8 / len(mine), values, 0.8 / len(mine), label=shape)
-        ax.set_xticks(x, categories, rotation=30, ha="right")
-        ax.set(ylabel="tokens per round", title=f"{drafter}: chains and trees (greedy, batch 1)")
-        ax.legend(fontsize=8)
+        category_bars(ax, categories, {shape: [(r["overall"] if c == "overall" else r["categories"].get(c, {}))
+                                               .get("tokens_per_round", float("nan")) for c in categories]
+                                       for shape, r in mine.items()},
+                      ylabel="tokens per round", title=f"{drafter}: chains and trees (greedy, batch 1)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -1,13 +1,15 @@
 """The target pass's cost by width on this device: Tv(w) / T1, the curve `--gamma auto` decides with.
 
+Makes the entry "What does verifying w tokens cost, against one plain step?" of experiments/README.md;
+writes results.json and table.md to experiments/results/verify_widths (`--out`).
+
     python experiments/verify_widths.py [--batch-sizes 1 4] [--widths 1 2 3 5 9] [--capacity 512]
 
 SmolLM2-135M, rows of 64 random tokens, the pass timed as the loop runs it
 (`engine.calibration.time_target_pass`: the cache read in a conditional, its
 block written back, the buffers donated); per (batch, width) the least of
 --rounds medians of 5 calls, so a busy moment of a shared machine does not
-count. Compare two revisions by running it at each (`git worktree add`): the
-[out, in] layer matrices of `models.llama` were measured so (experiments/README).
+count. Compare two revisions by running it at each (`git worktree add`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
-"""Experiment 2: Leviathan et al.'s walltime model: speedup vs gamma, predicted vs measured.
+"""Leviathan et al.'s walltime model: speedup vs gamma, predicted vs measured.
 
-    python experiments/walltime_model.py [--per-category 1] [--max-new-tokens 64] [--out ...]
+Makes the entry "Does Leviathan et al.'s walltime model predict the measured speedup?" of
+experiments/README.md; writes results.json, table.md and walltime_model.png to
+experiments/results/walltime_model (`--out`).
+
+    python experiments/walltime_model.py [--per-category 1] [--max-new-tokens 64]
 
 SmolLM2-135M, greedy, batch 1, Spec-Bench prompts (the first --per-category of
 each category), through `specdec_jax.bench` (plain and speculative decoding
@@ -13,7 +17,7 @@ costs a full target step: c = Td/T1 = 1). Two predictions per point:
         every draft's acceptance probability; accepted / drafted is not: it counts
         the drafts after a rejection as rejected). Assumes i.i.d. acceptance and a
         verify pass costing one target step.
-    ours (DESIGN section 8): tau T1 / (g Td + mean verify cost of the rounds run),
+    ours (docs/design.md section 8): tau T1 / (g Td + mean verify cost of the rounds run),
         with the measured tau and the width each round verified at.
 
 On this CPU a gamma+1 verify pass costs about 2 T1, so Leviathan's model
