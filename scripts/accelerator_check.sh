@@ -33,7 +33,7 @@ spec_bench=${SPEC_BENCH:-../shared/data/spec_bench/question.jsonl}
 prompts=()
 if [[ -f "$spec_bench" ]]; then prompts=(--prompts-file "$spec_bench" --per-category 2); fi
 set +e
-$PYTHON -m pytest -m "gpu or tpu" -rs --junitxml="$out/tests.xml" | tee "$out/tests.txt"
+$PYTHON -m pytest -n 0 -m "gpu or tpu" -rs --junitxml="$out/tests.xml" | tee "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 $PYTHON -m specdec_jax.cli bench --model "${BENCH_MODEL:-smollm2-135m}" --drafter "${BENCH_DRAFTER:-ngram}" \
   "${prompts[@]}" --repeats 3 --gamma 4 --json "$out/bench.json" | tee "$out/bench.md"

@@ -38,8 +38,9 @@ WORKER = ROOT / "tests" / "multidevice_worker.py"
 def cpu_env(num_devices: int) -> dict[str, str]:
     """The environment of a subprocess that sees `num_devices` CPU devices and this checkout."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # conftest's kept
     return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}"}
+            "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])}
 
 
 def run_worker(meshes: list[str], cases: str | None = None) -> dict:
