@@ -18,7 +18,8 @@ Rules (``H`` hidden, ``N``/``K`` query/KV heads of size ``D``, ``I`` MLP width,
 
     wq [N*D, H], wk / wv [K*D, H], w_gate / w_up [I, H]   P('model', None)
     wo [H, N*D], w_down [H, I]                             P(None, 'model')
-    embed [V, H], lm_head [H, V], norms                    replicated
+    bq [N*D], bk / bv [K*D] (Qwen2's biases)               P('model')
+    embed [V, H], lm_head [H, V], norms (q/k norms too)    replicated
     KV cache  k [B, K, T, D], v [B, K, D, T] per layer     P('data', 'model')
     loop state with a batch axis, e.g. i32[B], i32[B,Tbuf] P('data')
     scalars (key, step), per-position and width counters   replicated
@@ -63,6 +64,7 @@ AXES = (DATA, MODEL)
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., out, in]: out on `model`
 ROW_PARALLEL = ("wo", "w_down")  # [.., out, in]: in on `model`
+SPLIT_BIASES = ("bq", "bk", "bv")  # [.., out]: out on `model`, as their projections
 # state fields without a batch axis: Counters' per-position and per-width counts, a calibration's forced shape
 UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds", "forced_shape")
 
@@ -111,7 +113,7 @@ def param_spec(name: str, ndim: int) -> P:
     """PartitionSpec of weight ``name`` (see the module docstring) with ``ndim`` axes."""
     if name in COLUMN_PARALLEL:
         return P(*[None] * (ndim - 2), MODEL, None)
-    if name in ROW_PARALLEL:
+    if name in ROW_PARALLEL or name in SPLIT_BIASES:
         return P(*[None] * (ndim - 1), MODEL)
     return P()
 

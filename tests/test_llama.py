@@ -78,9 +78,15 @@ def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
     hidden = {}
     for l in range(cfg.num_layers):
         h = norm(x, p["attn_norm"][l])
-        q = rope((h @ p["wq"][l].T).reshape(steps, cfg.num_heads, dim))
-        k = rope((h @ p["wk"][l].T).reshape(steps, cfg.num_kv_heads, dim))
-        v = (h @ p["wv"][l].T).reshape(steps, cfg.num_kv_heads, dim)
+        q, k, v = h @ p["wq"][l].T, h @ p["wk"][l].T, h @ p["wv"][l].T
+        if cfg.attention_bias:  # Qwen2
+            q, k, v = q + p["bq"][l], k + p["bk"][l], v + p["bv"][l]
+        q = q.reshape(steps, cfg.num_heads, dim)
+        k = k.reshape(steps, cfg.num_kv_heads, dim)
+        v = v.reshape(steps, cfg.num_kv_heads, dim)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
+            q, k = norm(q, p["q_norm"][l]), norm(k, p["k_norm"][l])
+        q, k = rope(q), rope(k)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # GQA
         scores = np.einsum("snd,tnd->nst", q, k) / np.sqrt(dim)
         scores = np.where(causal, scores, -np.inf)
@@ -225,6 +231,42 @@ def test_traced_once_for_any_cache_lengths(params, tokens):
     for lengths in ([0, 0, 0], [3, 1, 7], [15, 2, 9]):
         step(params, jnp.asarray(tokens[:, :1], jnp.int32), cache.with_lengths(np.array(lengths)))
     assert len(traces) == 1
+
+
+FAMILY_CFGS = {  # Qwen2's biased projections; Qwen3's q/k norms, with head_dim 12 where hidden / heads is 8
+    "qwen2": dataclasses.replace(CFG, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3": dataclasses.replace(CFG, qk_norm=True, head_dim=12, rope_theta=1e6, rms_norm_eps=1e-6),
+}
+
+
+def family_params(cfg: LlamaConfig) -> dict:
+    """Random weights of ``cfg``; q/k norm weights drawn away from 1 (ones would hide a missing norm)."""
+    arrays = random_llama(cfg, seed=1).arrays()
+    rng = np.random.default_rng(2)
+    for name in ("q_norm", "k_norm"):
+        if name in arrays:
+            arrays[name] = rng.uniform(0.5, 1.5, arrays[name].shape).astype(np.float32)
+    return Llama.from_arrays(cfg, arrays).params()
+
+
+@pytest.mark.parametrize("family", FAMILY_CFGS)
+def test_each_family_matches_the_reference_in_one_pass_and_through_the_cache(family, tokens):
+    cfg = FAMILY_CFGS[family]
+    params = family_params(cfg)
+    logits, _ = run(cfg, params, tokens, cfg.init_cache(B, T))
+    for b in range(B):
+        np.testing.assert_allclose(logits[b], reference_logits(cfg, params, tokens[b]), **TOL)
+    cache, steps = cfg.init_cache(B, T), []
+    for s in range(S):
+        step, cache = run(cfg, params, tokens[:, s:s + 1], cache)
+        steps.append(step[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    np.testing.assert_allclose(np.stack(steps, 1), logits, **TOL)
+    # The declared difference matters: the same weights without it give other logits.
+    plain = dataclasses.replace(cfg, attention_bias=False, qk_norm=False)
+    without, _ = run(plain, {k: v for k, v in params.items() if k in param_shapes(plain)}, tokens,
+                     plain.init_cache(B, T))
+    assert np.abs(np.asarray(without) - np.asarray(logits)).max() > 0.1
 
 
 def test_config_validation():
@@ -402,3 +444,20 @@ def test_deferred_writes_match_the_reference_and_write_the_same_cache(params, tr
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
     for got, want in zip(cache.write_block(block).stacked(), want_cache.stacked()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILY_CFGS)
+def test_speculative_decoding_of_each_family_equals_plain_decoding(family):
+    """The engine runs every family through the same target interface: greedy n-gram speculation
+    (a tree too) emits exactly the plain greedy tokens of a Qwen2- or Qwen3-shaped target."""
+    from specdec_jax.drafters import NgramDrafter
+    from specdec_jax.engine import generate
+    from specdec_jax.tree import TreeShape
+
+    cfg = FAMILY_CFGS[family]
+    target = Llama.from_arrays(cfg, {k: np.asarray(v) for k, v in family_params(cfg).items()})
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9, 10, 7, 8]]
+    plain = generate(target, prompts, max_new_tokens=12).tokens
+    chain = generate(target, prompts, NgramDrafter(min_n=1), gamma=3, max_new_tokens=12)
+    tree = generate(target, prompts, NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)), max_new_tokens=12)
+    assert chain.tokens == tree.tokens == plain and chain.metrics.accepted_tokens > 0

@@ -360,18 +360,19 @@ def build_hf_tokenizer(path: pathlib.Path) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-def write_hf_dir(path: pathlib.Path, loaded) -> pathlib.Path:
-    """`loaded` (tiny-random) as an HF Llama checkpoint: two safetensors shards, config, tokenizer."""
+def write_hf_dir(path: pathlib.Path, loaded, model_type: str = "llama") -> pathlib.Path:
+    """`loaded` (tiny-random) as an HF checkpoint of `model_type`: two safetensors shards, config,
+    tokenizer."""
     from safetensors.numpy import save_file
 
-    from specdec_jax.models.loading import HF_LAYER_WEIGHTS
+    from specdec_jax.models.loading import hf_layer_weights
 
     cfg, params = loaded.config, params_np(loaded)
     path.mkdir()
     state = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
     if not cfg.tie_embeddings:
         state["lm_head.weight"] = np.ascontiguousarray(params["lm_head"].T)  # save_file writes memory order
-    for ours, theirs in HF_LAYER_WEIGHTS.items():
+    for ours, theirs in hf_layer_weights(cfg).items():
         for i in range(cfg.num_layers):
             w = params[ours][i]
             state[f"model.layers.{i}.{theirs}"] = np.ascontiguousarray(w)
@@ -379,11 +380,12 @@ def write_hf_dir(path: pathlib.Path, loaded) -> pathlib.Path:
     save_file({k: state[k] for k in names[::2]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: state[k] for k in names[1::2]}, str(path / "model-00002-of-00002.safetensors"))
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "model_type": model_type, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_positions,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": "float32",
+        **({"attention_bias": True} if cfg.attention_bias and model_type != "qwen2" else {}),
     }))
     build_hf_tokenizer(path)
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -424,6 +426,34 @@ def test_hf_directory_round_trip(tmp_path, name):
     assert tok.apply_chat_template("x") == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
 
 
+FAMILIES = {  # model_type -> what its tiny random model declares (Qwen3: head_dim 24, not hidden / heads)
+    "mistral": dict(),
+    "qwen2": dict(attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+    "qwen3": dict(qk_norm=True, head_dim=24, rope_theta=1e6, rms_norm_eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_hf_directory_of_each_family_round_trips(tmp_path, model_type):
+    """A Mistral, Qwen2 (q/k/v biases) or Qwen3 (q/k norms) directory loads into the declared
+    config with every weight in place, and runs as the model it was written from."""
+    cfg = dataclasses.replace(TINY_RANDOM_DRAFT, num_layers=2, max_positions=64, **FAMILIES[model_type])
+    arrays = random_llama(cfg, seed=3).arrays()
+    if cfg.qk_norm:  # norms of ones would hide a swapped or missing q/k norm
+        rng = np.random.default_rng(4)
+        arrays.update({n: rng.uniform(0.5, 1.5, arrays[n].shape).astype(np.float32) for n in ("q_norm", "k_norm")})
+    written = LoadedModel(Llama.from_arrays(cfg, arrays), cfg, ByteTokenizer())
+    loaded = load_model(str(write_hf_dir(tmp_path / "hf", written, model_type)))
+    assert loaded.config == cfg
+    got = params_np(loaded)
+    assert set(got) == set(arrays)
+    for name, want in arrays.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    tokens = jax.numpy.asarray([[5, 77, 3, 200, 9]], jax.numpy.int32)
+    np.testing.assert_array_equal(np.asarray(loaded.model(tokens, cfg.init_cache(1, 8))[0]),
+                                  np.asarray(written.model(tokens, cfg.init_cache(1, 8))[0]))
+
+
 def _safetensors_names(path: pathlib.Path) -> list[str]:
     from safetensors.numpy import load_file
 
@@ -452,9 +482,22 @@ def test_hf_directory_errors(tmp_path, tiny_random):
         load_model(str(path))
     (path / "shard.bak").rename(shard)
 
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(ValueError, match=r"model_type 'mistral' is not supported"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(ValueError, match=r"model_type 'gemma' is not supported \(llama, mistral, qwen2, qwen3\)"):
         load_model(str(path))
+    refused = [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling = {'rope_type': 'yarn'"),
+               ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4}, "sliding_window = 4"),
+               ({"model_type": "mistral", "sliding_window": 4, "max_position_embeddings": 64}, "sliding_window = 4"),
+               ({"num_local_experts": 8}, "mixture of experts = 8"),
+               ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"), ({"mlp_bias": True}, "mlp_bias = True")]
+    for change, message in refused:  # one line naming the option, never a silently different model
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=re.escape(message) + r".* is not supported by this decoder"):
+            load_model(str(path))
+    for harmless in ({"rope_scaling": {"rope_type": "default"}}, {"model_type": "mistral", "sliding_window": None},
+                     {"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 64}):
+        (path / "config.json").write_text(json.dumps({**config, **harmless}))
+        assert load_model(str(path)).config.num_layers == config["num_hidden_layers"]
 
     (path / "config.json").write_text(json.dumps(config))
     for shard in path.glob("*.safetensors"):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.distill.config import TrainConfig
-from specdec_jax.models.llama import LAYER_PARAMS, LlamaConfig, forward, init_params
+from specdec_jax.models.llama import LlamaConfig, forward, init_params, layer_params
 
 WIDTH_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
 
@@ -56,7 +56,7 @@ def init_draft(cfg: LlamaConfig, target_cfg: LlamaConfig, target_arrays: dict, t
     arrays["final_norm"] = target_arrays["final_norm"]
     head = target_arrays["embed"].T if target_cfg.tie_embeddings else target_arrays["lm_head"]  # [H,V]
     arrays["lm_head"] = np.ascontiguousarray(head if vocab_map is None else head[:, vocab_map])
-    for name in LAYER_PARAMS:
+    for name in layer_params(cfg):
         arrays[name] = np.asarray(target_arrays[name])[layers]
     return arrays
 

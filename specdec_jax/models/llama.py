@@ -1,4 +1,9 @@
-"""Llama decoder (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU).
+"""The decoder of the Llama family (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU),
+with the differences of Qwen2 and Qwen3 declared in :class:`LlamaConfig` rather than copied:
+``attention_bias`` (Qwen2: biases on the q, k and v projections) and ``qk_norm`` (Qwen3: an
+RMSNorm over each head of q and of k, before RoPE). Mistral without a sliding window is a
+Llama. Everything above the decoder (target interface, hidden states, trees, heads, meshes)
+sees one model type.
 
 The forward pass is a pure function of a flat dict of stacked weight arrays,
 :func:`forward`; :class:`Llama` is the ``flax.nnx`` container that owns those
@@ -22,6 +27,10 @@ use the rotate-half RoPE order), and :func:`linear` computes ``x @ w.T``::
     w_down      [L, H, I]       layers.*.mlp.down_proj.weight
     final_norm  [H]             model.norm.weight
     lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
+    bq          [L, N*D]        layers.*.self_attn.q_proj.bias    (attention_bias)
+    bk, bv      [L, K*D]        layers.*.self_attn.{k,v}_proj.bias
+    q_norm      [L, D]          layers.*.self_attn.q_norm.weight  (qk_norm)
+    k_norm      [L, D]          layers.*.self_attn.k_norm.weight
 
 Why ``[out, in]``: XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
 about the cost of one matrix-vector product, where ``x @ w [in, out]`` cost
@@ -71,7 +80,9 @@ from specdec_jax.target import FINAL_NORM, chain_positions
 
 Params = dict[str, jax.Array | tuple[jax.Array, ...]]
 
-LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")  # every family
+BIAS_PARAMS = ("bq", "bk", "bv")  # [L, out]: attention_bias
+QK_NORM_PARAMS = ("q_norm", "k_norm")  # [L, D]: qk_norm
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, out, in]
 LAYOUT = "out_in"  # what saved folders record of the layer matrices' layout
 
@@ -97,6 +108,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     output_vocab_size: int | None = None  # logits over this many ids (`vocab_map`); None: all vocab_size
     max_positions: int | None = None  # trained context length (GGUF/HF metadata); None: unknown, no limit
+    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -125,6 +138,11 @@ class LlamaConfig:
                             dtype)
 
 
+def layer_params(cfg: LlamaConfig) -> tuple[str, ...]:
+    """Names of the per-layer weights of ``cfg``'s family: `LAYER_PARAMS`, then its biases and q/k norms."""
+    return LAYER_PARAMS + (BIAS_PARAMS if cfg.attention_bias else ()) + (QK_NORM_PARAMS if cfg.qk_norm else ())
+
+
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every weight array (see the module docstring)."""
     L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -147,6 +165,10 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes["vocab_map"] = (cfg.output_vocab_size,)
     elif not cfg.tie_embeddings:
         shapes["lm_head"] = (H, V)
+    if cfg.attention_bias:  # after the Llama weights, so that random Llamas keep their draws
+        shapes.update(bq=(L, q_out), bk=(L, kv_out), bv=(L, kv_out))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     return shapes
 
 
@@ -162,6 +184,9 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm"):
             params[name] = np.ones(shape, np.float32)
+            continue
+        if name in BIAS_PARAMS:  # large enough to matter in the logits
+            params[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
             continue
         if name == "vocab_map":  # the first output_vocab_size ids
             params[name] = np.arange(shape[0], dtype=np.int32)
@@ -323,11 +348,15 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
 
     after_layer = {}
     for index in range(cfg.num_layers):
-        w = {name: params[name][index] for name in LAYER_PARAMS}
+        w = {name: params[name][index] for name in layer_params(cfg)}
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(heads(linear(h, w["wq"]), cfg.num_heads), cos, sin)
-        k = apply_rope(heads(linear(h, w["wk"]), cfg.num_kv_heads), cos, sin)
-        v = heads(linear(h, w["wv"]), cfg.num_kv_heads)
+        q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if defer_writes:
             attn = attention(q, cache.k[index], cache.v[index], visible, (k, v, own))
             new_k.append(k)
@@ -438,12 +467,13 @@ class Llama(nnx.Module):
             arrays = init_params(config, rngs.params())
         check_params(config, arrays)
         self.config = config
+        per_layer = layer_params(config)
         for name in param_shapes(config):
-            if name not in LAYER_PARAMS:
+            if name not in per_layer:
                 kind = nnx.Variable if name == "vocab_map" else nnx.Param
                 setattr(self, name, kind(jnp.asarray(arrays[name])))
         self.layers = nnx.List([
-            nnx.Dict({name: nnx.Param(jnp.asarray(np.asarray(arrays[name])[i])) for name in LAYER_PARAMS})
+            nnx.Dict({name: nnx.Param(jnp.asarray(np.asarray(arrays[name])[i])) for name in per_layer})
             for i in range(config.num_layers)
         ])
 
@@ -454,8 +484,9 @@ class Llama(nnx.Module):
 
     def params(self) -> Params:
         """The weights for :func:`forward`: ``{name: array}``, layer weights as tuples of L arrays."""
-        out = {name: getattr(self, name)[...] for name in param_shapes(self.config) if name not in LAYER_PARAMS}
-        for name in LAYER_PARAMS:
+        per_layer = layer_params(self.config)
+        out = {name: getattr(self, name)[...] for name in param_shapes(self.config) if name not in per_layer}
+        for name in per_layer:
             out[name] = tuple(layer[name][...] for layer in self.layers)
         return out
 

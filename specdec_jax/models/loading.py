@@ -24,7 +24,7 @@ TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
 # converted again. v2: config.json has max_positions (v1 folders, a bare sha256, lack it).
 CACHE_FORMAT = "v3"  # v3: layer matrices [out, in] (models.llama)
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
-HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}.  (matrices as they are: [out, in])
+HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}. of every family (matrices as they are: [out, in])
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
     "wk": "self_attn.k_proj.weight",
@@ -60,29 +60,12 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
 
 
 def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
-    """A Hugging Face style directory of a Llama-family model: config.json, *.safetensors, tokenizer.json."""
+    """A Hugging Face style directory of a Llama, Mistral, Qwen2 or Qwen3 model: config.json,
+    *.safetensors, tokenizer.json."""
     path = pathlib.Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-    hf = json.loads((path / "config.json").read_text())
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only 'llama')")
-    if hf.get("rope_scaling"):
-        raise ValueError(f"{path}: rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
-    heads = hf["num_attention_heads"]
-    config = LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_positions=hf.get("max_position_embeddings"),
-    )
+    config = hf_config(json.loads((path / "config.json").read_text()), where=str(path))
     weights = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -155,6 +138,72 @@ def check_vocab_map(config: LlamaConfig, arrays: dict[str, np.ndarray], where) -
         raise ValueError(f"{where}: vocab_map repeats ids {values[counts > 1][:5].tolist()}")
 
 
+HF_FAMILIES = {  # model_type -> (attention_bias by default, qk_norm)
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),  # q, k, v biases are part of the architecture
+    "qwen3": (False, True),
+}
+
+
+def hf_config(hf: dict, where: str) -> LlamaConfig:
+    """The `LlamaConfig` of a Hugging Face config.json (``hf``), or a one-line ValueError naming the
+    option this decoder does not implement (another family, rope scaling, a sliding window, experts,
+    another activation, MLP biases): never a silently different model."""
+    family = hf.get("model_type")
+    if family not in HF_FAMILIES:
+        raise ValueError(f"{where}: model_type {family!r} is not supported ({', '.join(HF_FAMILIES)})")
+    scaling = hf.get("rope_scaling") or {}
+    experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(key)), None)
+    refused = [  # (option, its value, whether the model uses it)
+        ("rope_scaling", scaling, (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")),
+        ("sliding_window", hf.get("sliding_window"), _sliding_window(hf)),
+        ("mixture of experts", experts, experts is not None),
+        ("hidden_act", hf.get("hidden_act"), hf.get("hidden_act", "silu") != "silu"),
+        ("mlp_bias", hf.get("mlp_bias"), bool(hf.get("mlp_bias"))),
+    ]
+    for option, value, used in refused:
+        if used:
+            raise ValueError(f"{where}: {option} = {value!r} is not supported by this decoder (model_type {family!r})")
+    bias, qk_norm = HF_FAMILIES[family]
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if family.startswith("qwen") else 1e-5)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_positions=hf.get("max_position_embeddings"),
+        attention_bias=bias or bool(hf.get("attention_bias", False)),
+        qk_norm=qk_norm,
+    )
+
+
+def _sliding_window(hf: dict) -> bool:
+    """Whether attention is windowed for some layer: Qwen's ``use_sliding_window`` (its
+    ``sliding_window`` value is unused without it), or Mistral's ``sliding_window`` below the
+    context length (a window as long as the context changes nothing)."""
+    if hf.get("model_type", "").startswith("qwen"):
+        return bool(hf.get("use_sliding_window"))
+    window = hf.get("sliding_window")
+    return window is not None and window < (hf.get("max_position_embeddings") or window + 1)
+
+
+def hf_layer_weights(config: LlamaConfig) -> dict[str, str]:
+    """Our per-layer weight name -> its HF name inside ``model.layers.{i}.``, for ``config``'s family."""
+    names = dict(HF_LAYER_WEIGHTS)
+    if config.attention_bias:
+        names.update(bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias", bv="self_attn.v_proj.bias")
+    if config.qk_norm:
+        names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+    return names
+
+
 def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: layer matrices [L, out, in])."""
 
@@ -166,7 +215,7 @@ def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, 
     arrays = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     if not config.tie_embeddings:
         arrays["lm_head"] = get("lm_head.weight").T
-    for ours, theirs in HF_LAYER_WEIGHTS.items():
+    for ours, theirs in hf_layer_weights(config).items():
         layers = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
         arrays[ours] = np.stack(layers)
     return arrays
