@@ -13,7 +13,7 @@ Compiling dominates the suite's time on CPU (tiny models run in milliseconds), s
   cache in `$SPECDEC_TEST_COMPILE_CACHE` (default `$SPECDEC_CACHE/test-compile-cache`;
   "fresh" for a new temporary folder per run). JAX keys each entry by the program,
   compile options, flags and versions, so a kept entry is never a stale program. The
-  folder grows with every changed program (about 100 MB a suite); delete it to reclaim
+  folder grows with every changed program (45 MB after one suite); delete it to reclaim
   the space. (JAX's size bound made every cache write scan the folder: slower.)
 - on a GPU, JAX does not preallocate memory, so that two worker processes fit.
 
