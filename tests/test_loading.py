@@ -95,7 +95,7 @@ def hf_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaConfig = CFG, *, arch: str = "llama",
-               tied: bool = False, types: dict[str, Q] | None = None, tokenizer: str = "gpt2",
+               tied: bool = False, types: dict[str, Q] | None = None, tokenizer: str = "gpt2", pre: str = "default",
                eot: int | None = None, eom: int | None = None) -> pathlib.Path:
     """A llama.cpp-style GGUF of `weights` (HF row order; q/k permuted here as llama.cpp does);
     `eot`/`eom`: end-of-turn / end-of-message token ids written beside the EOS."""
@@ -113,7 +113,7 @@ def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaCon
     writer.add_context_length(cfg.max_positions)
     tokens = gguf_tokens()
     writer.add_tokenizer_model(tokenizer)
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in VOCAB_SPECIALS else 1 for t in tokens])
     writer.add_token_merges(list(MERGES))
@@ -127,10 +127,14 @@ def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaCon
     for name, w in weights.items():
         if tied and name == "output.weight":
             continue
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp permutes llama's only
             w = llama_cpp_permute(w, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
         kind = types.get(name, Q.F32)
-        if kind in (Q.F32, Q.F16):
+        if kind == Q.I8:  # a type the gguf package cannot dequantize
+            writer.add_tensor(name, np.round(w).astype(np.int8))
+        elif w.dtype == np.uint8:  # bytes already in `kind` (K-quants, which the gguf package cannot write)
+            writer.add_tensor(name, w, raw_dtype=kind)
+        elif kind in (Q.F32, Q.F16):
             writer.add_tensor(name, quants.quantize(w, kind))
         else:
             writer.add_tensor(name, quants.quantize(w, kind), raw_dtype=kind)
@@ -319,13 +323,69 @@ def test_gguf_non_llama_architecture(tmp_path, cache, weights):
     assert not (cache / "converted").exists()
 
 
-@pytest.mark.parametrize("kind", [Q.BF16, Q.Q5_0], ids=lambda kind: kind.name)
-def test_gguf_unsupported_tensor_type(tmp_path, cache, weights, kind):
-    path = write_gguf(tmp_path / "bad.gguf", weights, types={**TYPES, "blk.1.ffn_up.weight": kind})
-    with pytest.raises(ValueError, match=rf"tensor blk\.1\.ffn_up\.weight has type {kind.name}") as err:
+def test_gguf_unsupported_tensor_type(tmp_path, cache, weights):
+    path = write_gguf(tmp_path / "bad.gguf", weights, types={**TYPES, "blk.1.ffn_up.weight": Q.I8})
+    with pytest.raises(ValueError, match=r"tensor blk\.1\.ffn_up\.weight has type I8, which the gguf package "
+                                         r"cannot dequantize"):
         load_model(str(path))
-    assert "Q4_1" in str(err.value)  # lists the supported types
     assert not list(cache.glob("converted/*/config.json"))  # nothing cached for a failed conversion
+
+
+QWEN2_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=256,  # K-quant rows hold 256 weights
+                                attention_bias=True, rope_theta=1e6)
+QWEN2_TYPES = {**TYPES, "output.weight": Q.Q6_K, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q5_0,
+               "blk.0.ffn_up.weight": Q.BF16}  # the kinds of the real Qwen files
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of each block's float16 scales (d, dmin; d)
+
+
+def k_quant_bytes(shape: tuple[int, int], kind: Q, rng) -> np.ndarray:
+    """Random blocks of `kind` for a [rows, cols] tensor (the gguf package cannot quantize to
+    K-quants): random quants and sub-scales, float16 block scales of 0.01 (random bits could be inf)."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = shape
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_SCALES[kind]:
+        data[..., offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return data.reshape(rows, -1)
+
+
+def test_gguf_qwen2_reads_biases_k_quants_and_unpermuted_rows(tmp_path, cache):
+    """A qwen2 GGUF: architecture-prefixed metadata, q/k/v biases, q/k rows as transformers has them
+    (llama.cpp permutes llama's only), K-quant, Q5_0 and BF16 tensors dequantized as the gguf package does."""
+    weights = hf_weights(QWEN2_CFG, seed=7)
+    rng = np.random.default_rng(8)
+    for i in range(QWEN2_CFG.num_layers):
+        for name, width in (("attn_q", QWEN2_CFG.num_heads), ("attn_k", QWEN2_CFG.num_kv_heads),
+                            ("attn_v", QWEN2_CFG.num_kv_heads)):
+            weights[f"blk.{i}.{name}.bias"] = rng.standard_normal(width * QWEN2_CFG.head_dim).astype(np.float32)
+    k_quants = {name: kind for name, kind in QWEN2_TYPES.items() if kind in K_SCALES}
+    originals = dict(weights)
+    weights.update({name: k_quant_bytes(weights[name].shape, kind, rng) for name, kind in k_quants.items()})
+    path = write_gguf(tmp_path / "qwen2.gguf", weights, QWEN2_CFG, arch="qwen2", types=QWEN2_TYPES)
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert raw["blk.0.ffn_gate.weight"].tensor_type == Q.Q4_K and raw["output.weight"].tensor_type == Q.Q6_K
+    loaded = load_model(str(path))
+    assert loaded.config == QWEN2_CFG
+    got = params_np(loaded)
+    want = expected_arrays({n: w for n, w in weights.items() if n not in k_quants}
+                           | {n: originals[n] for n in k_quants}, QWEN2_CFG, tied=False,
+                           types={n: k for n, k in QWEN2_TYPES.items() if n not in k_quants})
+    k_values = {n: np.asarray(quants.dequantize(weights[n], kind), np.float32) for n, kind in k_quants.items()}
+    want["lm_head"], want["w_gate"][0] = k_values["output.weight"].T, k_values["blk.0.ffn_gate.weight"]
+    for ours, theirs in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
+        want[ours] = np.stack([weights[f"blk.{i}.{theirs}.bias"] for i in range(QWEN2_CFG.num_layers)])
+    assert set(got) == set(param_shapes(QWEN2_CFG)) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_array_equal(got["wq"][0], weights["blk.0.attn_q.weight"])  # F32 rows, not un-permuted
+    assert np.abs(got["w_gate"][0]).max() > 0.01 and np.isfinite(got["lm_head"]).all()  # K-quant blocks decoded
+
+
+def test_gguf_unknown_pre_tokenizer_is_refused(tmp_path, cache, weights):
+    """Qwen's pre-tokenizer splits text otherwise than GPT-2's: refused, not tokenised differently."""
+    path = write_gguf(tmp_path / "qwen.gguf", weights, pre="qwen2")
+    with pytest.raises(ValueError, match=r"GGUF pre-tokenizer 'qwen2' is not supported"):
+        load_model(str(path))
 
 
 def test_gguf_unsupported_tokenizer(tmp_path, cache, weights):

@@ -1,10 +1,13 @@
-"""Read a llama-architecture GGUF file into a `LlamaConfig` and float32 weight arrays.
+"""Read a `llama` or `qwen2` GGUF file into a `LlamaConfig` and float32 weight arrays.
 
-Supported tensor types: F32, F16, Q8_0, Q4_0, Q4_1 (dequantized with the `gguf`
-package); any other type is an error naming the tensor and its type.
-llama.cpp's converter permutes the rows of attn_q / attn_k for its interleaved
-RoPE; they are permuted back to the rotate-half order used here (and by
-Hugging Face transformers).
+Every tensor type the `gguf` package dequantizes is read (F32, F16, BF16, Q4_0 ..
+Q8_0, the K-quants Q2_K .. Q6_K, ...), checked per tensor: one it cannot is an
+error naming the tensor and its type. Metadata keys carry the architecture as
+prefix (`qwen2.block_count`). `qwen2` adds the q, k, v biases
+(`blk.N.attn_q.bias` ...). llama.cpp's converter permutes the rows of attn_q /
+attn_k for its interleaved RoPE for `llama` only; they are permuted back to the
+rotate-half order used here (and by Hugging Face transformers). `qwen2` rows
+are stored in that order already.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import numpy as np
 
 from specdec_jax.models.llama import LlamaConfig, param_shapes
 
-SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+ARCHITECTURES = {"llama": dict(permuted_qk=True, attention_bias=False),
+                 "qwen2": dict(permuted_qk=False, attention_bias=True)}
+BIAS_TENSORS = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}  # blk.N.{name}.bias (attention_bias)
 
 # GGUF tensor name (per block) -> our stacked weight name (matrices stay [out, in], as GGUF stores them).
 LAYER_TENSORS = {
@@ -44,12 +49,13 @@ def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfi
     reader = GGUFReader(path)
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})")
     if check_metadata is not None:
         check_metadata(meta)
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(meta, tied="output.weight" not in tensors)
+    config = _config(meta, arch, tied="output.weight" not in tensors)
+    permuted = ARCHITECTURES[arch]["permuted_qk"]
 
     def load(name: str) -> np.ndarray:
         return _dequantize(tensors[name], path)
@@ -61,12 +67,15 @@ def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfi
         layers = []
         for i in range(config.num_layers):
             w = load(f"blk.{i}.{gguf_name}.weight")  # [out, in] for matrices
-            if gguf_name == "attn_q":
+            if permuted and gguf_name == "attn_q":
                 w = unpermute_rope_rows(w, config.num_heads)
-            elif gguf_name == "attn_k":
+            elif permuted and gguf_name == "attn_k":
                 w = unpermute_rope_rows(w, config.num_kv_heads)
             layers.append(w)
         arrays[ours] = np.stack(layers)
+    if config.attention_bias:
+        for gguf_name, ours in BIAS_TENSORS.items():
+            arrays[ours] = np.stack([load(f"blk.{i}.{gguf_name}.bias") for i in range(config.num_layers)])
     for name, shape in param_shapes(config).items():
         if arrays[name].shape != shape:
             raise ValueError(f"{path}: {name} has shape {arrays[name].shape}, expected {shape}")
@@ -79,35 +88,36 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _config(meta: dict, tied: bool) -> LlamaConfig:
-    hidden = int(meta["llama.embedding_length"])
-    heads = int(meta["llama.attention.head_count"])
-    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    context = meta.get("llama.context_length")
+def _config(meta: dict, arch: str, tied: bool) -> LlamaConfig:
+    key = lambda name: f"{arch}.{name}"  # noqa: E731  (metadata keys carry the architecture)
+    hidden = int(meta[key("embedding_length")])
+    heads = int(meta[key("attention.head_count")])
+    vocab = meta.get(key("vocab_size")) or len(meta["tokenizer.ggml.tokens"])
+    context = meta.get(key("context_length"))
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_layers=int(meta["llama.block_count"]),
+        intermediate_size=int(meta[key("feed_forward_length")]),
+        num_layers=int(meta[key("block_count")]),
         num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        num_kv_heads=int(meta.get(key("attention.head_count_kv"), heads)),
+        head_dim=int(meta.get(key("rope.dimension_count"), hidden // heads)),
+        rope_theta=float(meta.get(key("rope.freq_base"), 10000.0)),
+        rms_norm_eps=float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
         tie_embeddings=tied,
         max_positions=None if context is None else int(context),
+        attention_bias=ARCHITECTURES[arch]["attention_bias"],
     )
 
 
 def _dequantize(tensor, path) -> np.ndarray:
     from gguf import quants
 
-    kind = tensor.tensor_type.name
-    if kind not in SUPPORTED_TYPES:
-        raise ValueError(
-            f"{path}: tensor {tensor.name} has type {kind}; supported types: {', '.join(SUPPORTED_TYPES)}"
-        )
-    return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    try:
+        return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
+                         f"package cannot dequantize") from None
 
 
 def _field_value(field):

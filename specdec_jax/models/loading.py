@@ -43,7 +43,7 @@ def load_smollm2(seed: int = 0) -> LoadedModel:
 
 
 def load_gguf(path: str | pathlib.Path) -> LoadedModel:
-    """A llama-architecture GGUF file: weights (F32/F16/Q8_0/Q4_0/Q4_1) and its tokenizer."""
+    """A `llama` or `qwen2` GGUF file: weights (any type the gguf package dequantizes) and its tokenizer."""
     from specdec_jax.models.gguf_loader import read_gguf
 
     path = pathlib.Path(path)

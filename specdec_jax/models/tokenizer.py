@@ -29,6 +29,9 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+GGUF_PRE_TOKENIZERS = (None, "default", "gpt2", "smollm")  # tokenizer.ggml.pre values this tokenizer reproduces
+
+
 class BPETokenizer:
     """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
 
@@ -52,6 +55,9 @@ class BPETokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in GGUF_PRE_TOKENIZERS:  # another split of the text would give other ids, silently
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(map(str, GGUF_PRE_TOKENIZERS))})")
         tokens = list(meta["tokenizer.ggml.tokens"])
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
