@@ -28,6 +28,7 @@ import tempfile
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# models.fetch.cache_dir's rule, restated: importing the package would import jax before these settings.
 _cache = os.environ.get("SPECDEC_TEST_COMPILE_CACHE") or str(
     pathlib.Path(os.environ.get("SPECDEC_CACHE") or "~/.cache/specdec_jax").expanduser() / "test-compile-cache")
 if _cache == "fresh":
