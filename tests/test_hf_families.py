@@ -1,0 +1,145 @@
+"""Each decoder family against transformers, through this project's loader (fixture from
+scripts/make_hf_family_reference.py; no torch here).
+
+The fixture holds, per family (llama, mistral, qwen2, qwen3), the config dict transformers built the
+model from and its logits (float64, eager attention) at every position of two 12-token sequences.
+The weights are not stored: `hf_family_weights.state_dict` regenerates them from their seed, and a
+checksum recorded by the script proves they are the ones transformers ran. They go through
+`hf_config` + `hf_arrays` + `Llama.from_arrays` and one `forward` pass from an empty cache; the
+logits must agree within `TOLERANCE`. The power checks show that the fixture sees each family's
+difference: without Qwen2's biases, Qwen3's q/k norms (or with them set to ones), or with the
+wrong RoPE base, the logits move by far more than the tolerance.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_family_weights as fw
+from specdec_jax.models import Llama
+from specdec_jax.models.llama import forward
+from specdec_jax.models.loading import hf_arrays, hf_config
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FIXTURE = json.loads((FIXTURES / "hf_families.json").read_text())
+with np.load(FIXTURES / "hf_families.npz") as _npz:
+    LOGITS = {name: _npz[name] for name in _npz.files}  # f32[2, 12, V] per family
+TOKENS = np.asarray(FIXTURE["tokens"], np.int32)  # [2, 12]
+FAMILIES = list(FIXTURE["families"])
+TOLERANCE = 1e-4  # absolute, on float32 logits of std ~2
+POWER = 100 * TOLERANCE  # what a missing family feature must move the logits by, at least
+
+
+@pytest.fixture(scope="module", autouse=True)
+def full_precision_matmuls():
+    """The 1e-4 tolerance assumes true fp32 dots (GPUs/TPUs default to TF32/bf16 passes)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def hub_form(config: dict) -> dict:
+    """``config`` with its RoPE base as a top-level ``rope_theta``, the form of config.json files
+    written before transformers 5 (which nests it in ``rope_parameters``)."""
+    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    out["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    return out
+
+
+@functools.cache
+def jitted_forward(cfg):
+    return jax.jit(functools.partial(forward, cfg))
+
+
+def our_logits(cfg, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """``f32[2, 12, V]`` logits of ``TOKENS`` in one pass from an empty cache."""
+    params = Llama.from_arrays(cfg, arrays).params()
+    logits, _ = jitted_forward(cfg)(params, jnp.asarray(TOKENS), cfg.init_cache(*TOKENS.shape))
+    return np.asarray(logits, np.float32)
+
+
+@functools.cache
+def loaded(family: str, form: str = "hub"):
+    """(our config, our arrays) of the family's recorded config dict (``form`` "hub": `hub_form`;
+    "recorded": as transformers wrote it) and its regenerated weights."""
+    record = FIXTURE["families"][family]
+    config = record["config"] if form == "recorded" else hub_form(record["config"])
+    weights = fw.state_dict(record["config"])
+    assert fw.checksum(weights) == record["weights_sha256"], (
+        f"{family}: the regenerated weights are not the ones transformers ran (tests/hf_family_weights.py "
+        "or numpy's stream changed): run scripts/make_hf_family_reference.py again")
+    cfg = hf_config(config, f"fixture {family}")
+    return cfg, hf_arrays(cfg, weights)
+
+
+def max_diff(family: str, logits: np.ndarray) -> float:
+    return float(np.abs(logits - LOGITS[family]).max())
+
+
+def test_fixture_covers_the_families_and_their_differences():
+    assert FAMILIES == ["llama", "mistral", "qwen2", "qwen3"]
+    configs = {f: FIXTURE["families"][f]["config"] for f in FAMILIES}
+    assert {f: c["tie_word_embeddings"] for f, c in configs.items()} == {
+        "llama": False, "mistral": False, "qwen2": True, "qwen3": True}
+    assert configs["qwen3"]["head_dim"] * configs["qwen3"]["num_attention_heads"] != configs["qwen3"]["hidden_size"]
+    assert {f: c["rope_parameters"]["rope_theta"] for f, c in configs.items()} == {
+        "llama": 1e4, "mistral": 1e6, "qwen2": 1e6, "qwen3": 1e6}
+    for family in FAMILIES:
+        assert LOGITS[family].shape == TOKENS.shape + (configs[family]["vocab_size"],)
+    weights = {f: fw.state_dict(c) for f, c in configs.items()}
+    assert any(".q_proj.bias" in name for name in weights["qwen2"])
+    assert any(".q_norm.weight" in name for name in weights["qwen3"])
+    assert not any(name.endswith(".bias") or "_norm.weight" in name and "self_attn" in name
+                   for f in ("llama", "mistral") for name in weights[f])
+    assert ("lm_head.weight" in weights["llama"]) and ("lm_head.weight" not in weights["qwen2"])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_logits_match_transformers(family):
+    cfg, arrays = loaded(family)
+    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    diff = max_diff(family, our_logits(cfg, arrays))
+    print(f"{family}: max |logits - transformers| = {diff:.2e}")
+    assert diff < TOLERANCE
+
+
+@pytest.mark.parametrize("family", [
+    "llama",  # its RoPE base is hf_config's default, so it agrees either way
+    pytest.param("mistral", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
+    pytest.param("qwen2", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
+    pytest.param("qwen3", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
+])
+def test_logits_match_transformers_from_its_own_config_dict(family):
+    """The config dict exactly as transformers 5 writes it: the RoPE base only inside
+    ``rope_parameters``. `hf_config` reads a top-level ``rope_theta`` only, so it falls back to
+    10000 and the families with another base fail (strict xfail: a fix turns them into failures
+    until the marks go)."""
+    cfg, arrays = loaded(family, "recorded")
+    assert max_diff(family, our_logits(cfg, arrays)) < TOLERANCE
+
+
+def test_qwen2_without_its_biases_is_far_off():
+    cfg, arrays = loaded("qwen2")
+    zeroed = dict(arrays, **{name: np.zeros_like(arrays[name]) for name in ("bq", "bk", "bv")})
+    assert max_diff("qwen2", our_logits(cfg, zeroed)) > POWER
+    for name in ("bq", "bk", "bv"):  # each bias matters on its own
+        assert max_diff("qwen2", our_logits(cfg, dict(arrays, **{name: np.zeros_like(arrays[name])}))) > POWER
+
+
+def test_qwen3_without_its_qk_norms_is_far_off():
+    cfg, arrays = loaded("qwen3")
+    plain = {k: v for k, v in arrays.items() if k not in ("q_norm", "k_norm")}
+    assert max_diff("qwen3", our_logits(dataclasses.replace(cfg, qk_norm=False), plain)) > POWER
+    for name in ("q_norm", "k_norm"):  # the norms' weights matter, not only the normalisation
+        assert max_diff("qwen3", our_logits(cfg, dict(arrays, **{name: np.ones_like(arrays[name])}))) > POWER
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_the_rope_base_is_seen(family):
+    cfg, arrays = loaded(family)
+    assert max_diff(family, our_logits(dataclasses.replace(cfg, rope_theta=1e4), arrays)) > POWER
