@@ -109,16 +109,11 @@ def test_logits_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", [
-    "llama",  # its RoPE base is hf_config's default, so it agrees either way
-    pytest.param("mistral", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
-    pytest.param("qwen2", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
-    pytest.param("qwen3", marks=pytest.mark.xfail(strict=True, reason="rope_parameters is not read")),
-])
+    "llama", "mistral", "qwen2", "qwen3"])
 def test_logits_match_transformers_from_its_own_config_dict(family):
     """The config dict exactly as transformers 5 writes it: the RoPE base only inside
-    ``rope_parameters``. `hf_config` reads a top-level ``rope_theta`` only, so it falls back to
-    10000 and the families with another base fail (strict xfail: a fix turns them into failures
-    until the marks go)."""
+    ``rope_parameters`` (read wrongly, the base would fall back to 10000: mistral, qwen2 and qwen3
+    use 1e6 and would be off by 1.8 to 3.2)."""
     cfg, arrays = loaded(family, "recorded")
     assert max_diff(family, our_logits(cfg, arrays)) < TOLERANCE
 

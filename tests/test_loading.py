@@ -382,10 +382,22 @@ def test_gguf_qwen2_reads_biases_k_quants_and_unpermuted_rows(tmp_path, cache):
 
 
 def test_gguf_unknown_pre_tokenizer_is_refused(tmp_path, cache, weights):
-    """Qwen's pre-tokenizer splits text otherwise than GPT-2's: refused, not tokenised differently."""
-    path = write_gguf(tmp_path / "qwen.gguf", weights, pre="qwen2")
-    with pytest.raises(ValueError, match=r"GGUF pre-tokenizer 'qwen2' is not supported"):
+    """A pre-tokenizer not in GGUF_PRE_TOKENIZERS would split text otherwise: refused, not tokenised differently."""
+    path = write_gguf(tmp_path / "deepseek.gguf", weights, pre="deepseek-coder")
+    with pytest.raises(ValueError, match=r"GGUF pre-tokenizer 'deepseek-coder' is not supported"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("pre, words", [  # worked out by hand from each regex (byte-level: Ġ space, Ċ newline)
+    ("qwen2", ["I", "'M", "Ġ", "1", "2", "3", "4", "5", "Ġok", "!!ĊĊ", "Ġ", "Ġx"]),  # digits one by one
+    ("llama-bpe", ["I", "'M", "Ġ", "123", "45", "Ġok", "!!ĊĊ", "Ġ", "Ġx"]),  # digits in threes
+    ("gpt2", ["I", "'", "M", "Ġ12345", "Ġok", "!!", "ĊĊĠ", "Ġx"]),  # contractions case-sensitive
+    ("smollm", ["I", "'", "M", "Ġ", "1", "2", "3", "4", "5", "Ġok", "!!", "ĊĊĠ", "Ġx"]),
+])
+def test_gguf_pre_tokenizers_split_as_their_regexes(pre, words):
+    from specdec_jax.models.tokenizer import gguf_pre_tokenizer
+
+    assert [w for w, _ in gguf_pre_tokenizer(pre).pre_tokenize_str("I'M 12345 ok!!\n\n  x")] == words
 
 
 def test_gguf_unsupported_tokenizer(tmp_path, cache, weights):
@@ -545,7 +557,9 @@ def test_hf_directory_errors(tmp_path, tiny_random):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
     with pytest.raises(ValueError, match=r"model_type 'gemma' is not supported \(llama, mistral, qwen2, qwen3\)"):
         load_model(str(path))
-    refused = [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling = {'rope_type': 'yarn'"),
+    refused = [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling = {'rope_type': 'yarn'"),
+               ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},  # transformers 5
+                "rope scaling = {'rope_type': 'linear'"),
                ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4}, "sliding_window = 4"),
                ({"model_type": "mistral", "sliding_window": 4, "max_position_embeddings": 64}, "sliding_window = 4"),
                ({"num_local_experts": 8}, "mixture of experts = 8"),

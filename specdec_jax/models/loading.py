@@ -154,10 +154,10 @@ def hf_config(hf: dict, where: str) -> LlamaConfig:
     family = hf.get("model_type")
     if family not in HF_FAMILIES:
         raise ValueError(f"{where}: model_type {family!r} is not supported ({', '.join(HF_FAMILIES)})")
-    scaling = hf.get("rope_scaling") or {}
+    rope = _rope(hf)
     experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(key)), None)
     refused = [  # (option, its value, whether the model uses it)
-        ("rope_scaling", scaling, (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")),
+        ("rope scaling", rope, (rope.get("rope_type") or rope.get("type")) not in (None, "default")),
         ("sliding_window", hf.get("sliding_window"), _sliding_window(hf)),
         ("mixture of experts", experts, experts is not None),
         ("hidden_act", hf.get("hidden_act"), hf.get("hidden_act", "silu") != "silu"),
@@ -176,13 +176,23 @@ def hf_config(hf: dict, where: str) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if family.startswith("qwen") else 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_positions=hf.get("max_position_embeddings"),
         attention_bias=bias or bool(hf.get("attention_bias", False)),
         qk_norm=qk_norm,
     )
+
+
+def _rope(hf: dict) -> dict:
+    """RoPE settings of a config.json: transformers 5 nests them in ``rope_parameters`` (``rope_theta``,
+    ``rope_type``, scaling factors); earlier files have a top-level ``rope_theta`` and ``rope_scaling``."""
+    rope = dict(hf.get("rope_parameters") or {})
+    rope.update(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        rope.setdefault("rope_theta", hf["rope_theta"])
+    return rope
 
 
 def _sliding_window(hf: dict) -> bool:
