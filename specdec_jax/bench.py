@@ -124,7 +124,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         raise ValueError("--peer hf decodes without penalties: leave the repetition, presence and frequency "
                          "penalties off")
     drop_compiled_programs()
-    target = load_model(cfg.model)
+    target = load_model(cfg.model, dtype=cfg.dtype)
     hf = None
     if peer:
         from specdec_jax.peer_hf import HFPeer

@@ -15,6 +15,7 @@ import yaml
 
 from specdec_jax.engine.batching import AUTO
 from specdec_jax.engine.shape import AUTO_GAMMAS
+from specdec_jax.models.llama import DTYPES
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 from specdec_jax.tree import TreeShape, load_choices
@@ -31,6 +32,7 @@ class RunConfig:
     model: str = "smollm2-135m"
     drafter: str = "ngram"
     draft_model: str | None = None
+    dtype: str = "float32"  # weights, residual stream and KV cache of the models (specdec_jax.models.llama)
     gamma: int | str = "auto"  # drafts per round, or "auto": chosen per round (specdec_jax.engine.shape)
     temperature: float = 0.0
     top_k: int = 0
@@ -60,6 +62,7 @@ class RunConfig:
     def __post_init__(self):
         checks = (
             ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
+            ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("gamma", self.gamma == AUTO or isinstance(self.gamma, int) and not isinstance(self.gamma, bool)
              and self.gamma >= 0, "an int >= 0 or 'auto'"),
             ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int >= 1"),

@@ -50,7 +50,7 @@ def demo(cfg: RunConfig) -> dict:
     if cfg.effective_gamma == 0:
         raise ValueError("the demo compares a drafter against plain decoding: choose a drafter and gamma >= 1")
     print(f"loading {cfg.model} ...", flush=True)
-    target = load_model(cfg.model)
+    target = load_model(cfg.model, dtype=cfg.dtype)
     configs = demo_configs(cfg)
     drafters = [build_drafter(c, target) for c in configs]
     tok = target.tokenizer

@@ -77,10 +77,11 @@ def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = Tr
     done = {_config_key(r["config"]) for r in records}
     todo = [c for c in configs if _config_key(c.to_dict()) not in done]
     provenance = _provenance()
-    models: dict[str, Any] = {}
+    models: dict[tuple[str, str], Any] = {}  # (model, dtype) -> LoadedModel, loaded once
     for cfg in tqdm(todo, desc=f"sweep {pathlib.Path(path).name}", unit="point", disable=not progress):
         drop_compiled_programs()
-        target = models.get(cfg.model) or models.setdefault(cfg.model, load_model(cfg.model))
+        key = (cfg.model, cfg.dtype)
+        target = models.get(key) or models.setdefault(key, load_model(cfg.model, dtype=cfg.dtype))
         report = run(cfg, target=target, progress=False)
         outputs = [r["tokens"] for r in report["results"]]
         record = {

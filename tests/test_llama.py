@@ -276,6 +276,8 @@ def test_config_validation():
         dataclasses.replace(CFG, head_dim=7)
     with pytest.raises(ValueError, match="positive"):
         dataclasses.replace(CFG, num_layers=0)
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+        dataclasses.replace(CFG, dtype="float16")
     assert hash(CFG) == hash(dataclasses.replace(CFG))
 
 
@@ -460,4 +462,42 @@ def test_speculative_decoding_of_each_family_equals_plain_decoding(family):
     plain = generate(target, prompts, max_new_tokens=12).tokens
     chain = generate(target, prompts, NgramDrafter(min_n=1), gamma=3, max_new_tokens=12)
     tree = generate(target, prompts, NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)), max_new_tokens=12)
+    assert chain.tokens == tree.tokens == plain and chain.metrics.accepted_tokens > 0
+
+
+# ---------------------------------------------------------------- bfloat16 weights
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILY_CFGS])
+def test_bfloat16_weights_keep_logits_near_float32(family):
+    """``astype("bfloat16")``: every floating weight and the KV cache in bfloat16, integer arrays kept,
+    logits in float32 within bfloat16's rounding of the float32 model's (8 mantissa bits over 2 layers)."""
+    cfg = dataclasses.replace(FAMILY_CFGS.get(family, CFG), output_vocab_size=32)  # a vocab_map too
+    f32 = Llama.from_arrays(cfg, {k: np.asarray(v) for k, v in family_params(cfg).items()})
+    bf16 = f32.astype("bfloat16")
+    assert f32.astype("float32") is f32 and bf16.config == dataclasses.replace(cfg, dtype="bfloat16")
+    arrays = bf16.arrays()
+    assert {str(a.dtype) for k, a in arrays.items() if k != "vocab_map"} == {"bfloat16"}
+    np.testing.assert_array_equal(arrays["vocab_map"], f32.arrays()["vocab_map"])
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 12)))
+    want, _ = forward(cfg, f32.params(), tokens, cfg.init_cache(2, 12))
+    got, cache = forward(bf16.config, bf16.params(), tokens, bf16.config.init_cache(2, 12))
+    assert got.dtype == jnp.float32 and cache.k[0].dtype == cache.v[0].dtype == jnp.bfloat16
+    spread = float(jnp.std(want))
+    assert 0 < float(jnp.max(jnp.abs(got - want))) < 0.1 * spread  # rounded, not broken
+
+
+def test_bfloat16_speculation_equals_bfloat16_plain_decoding():
+    """Greedy speculation (chain and tree) of a bfloat16 Qwen2-shaped target emits exactly its plain greedy
+    tokens: verification is exact whatever the dtype."""
+    from specdec_jax.drafters import NgramDrafter
+    from specdec_jax.engine import generate
+    from specdec_jax.tree import TreeShape
+
+    cfg = FAMILY_CFGS["qwen2"]
+    bf16 = Llama.from_arrays(cfg, {k: np.asarray(v) for k, v in family_params(cfg).items()}).astype("bfloat16")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9, 10, 7, 8]]
+    plain = generate(bf16, prompts, max_new_tokens=12).tokens
+    chain = generate(bf16, prompts, NgramDrafter(min_n=1), gamma=3, max_new_tokens=12)
+    tree = generate(bf16, prompts, NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)), max_new_tokens=12)
     assert chain.tokens == tree.tokens == plain and chain.metrics.accepted_tokens > 0

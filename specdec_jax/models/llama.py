@@ -58,8 +58,10 @@ causal). :func:`forward` is the chain special case (positions ``lengths + s``,
 causal) that drafters and references use. ``lengths`` is returned unchanged.
 :class:`LlamaTarget` wraps the config as the engine's ``TargetModel``.
 
-Matrix products run in the weights' dtype (float32 by default); RMSNorm, softmax
-and logits are computed in float32.
+Weights, the residual stream and the KV cache are in ``LlamaConfig.dtype``
+(float32 by default, or bfloat16: :meth:`Llama.astype`); matrix products run in
+that dtype, while RMSNorm statistics, RoPE angles, attention softmax and the
+output logits are computed in float32.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ BIAS_PARAMS = ("bq", "bk", "bv")  # [L, out]: attention_bias
 QK_NORM_PARAMS = ("q_norm", "k_norm")  # [L, D]: qk_norm
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, out, in]
 LAYOUT = "out_in"  # what saved folders record of the layer matrices' layout
+DTYPES = ("float32", "bfloat16")  # weight dtypes (LlamaConfig.dtype)
 
 # Random init: embeddings and head ~ N(0, (LOGIT_STD / sqrt(H))^2) so that the
 # logits of a unit-RMS final hidden state have std ~ LOGIT_STD (a clear argmax,
@@ -110,6 +113,7 @@ class LlamaConfig:
     max_positions: int | None = None  # trained context length (GGUF/HF metadata); None: unknown, no limit
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    dtype: str = "float32"  # of the weights, the residual stream and the KV cache (one of DTYPES)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -124,6 +128,8 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.max_positions is not None and self.max_positions < 1:
             raise ValueError(f"max_positions must be >= 1 or None, got {self.max_positions}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
         if self.output_vocab_size is not None:
@@ -132,10 +138,10 @@ class LlamaConfig:
             if self.tie_embeddings:
                 raise ValueError("a reduced output vocabulary needs an untied lm_head (tie_embeddings false)")
 
-    def init_cache(self, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-        """An empty :class:`KVCache` shaped for this model."""
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty :class:`KVCache` shaped for this model, in its dtype."""
         return KVCache.init(self.num_layers, batch, capacity, self.num_kv_heads, self.head_dim,
-                            dtype)
+                            jnp.dtype(self.dtype))
 
 
 def layer_params(cfg: LlamaConfig) -> tuple[str, ...]:
@@ -376,10 +382,11 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
 def lm_head(cfg: LlamaConfig, params: Mapping[str, jax.Array], normed: jax.Array) -> jax.Array:
     """f32[B,S,V] logits (``[B,S,Vo]`` with a reduced output vocabulary) of final-norm states ``[B,S,H]``."""
     if cfg.tie_embeddings:  # embed [V, H] is [out, in] (`embed.T` would be copied inside loops)
-        logits = linear(normed, params["embed"])
+        logits = jnp.moveaxis(jnp.einsum("oi,...i->o...", params["embed"], normed,
+                                         preferred_element_type=jnp.float32), 0, -1)
     else:
-        logits = normed @ params["lm_head"]
-    return logits.astype(jnp.float32)
+        logits = jnp.einsum("...i,io->...o", normed, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits
 
 
 def forward(
@@ -471,16 +478,27 @@ class Llama(nnx.Module):
         for name in param_shapes(config):
             if name not in per_layer:
                 kind = nnx.Variable if name == "vocab_map" else nnx.Param
-                setattr(self, name, kind(jnp.asarray(arrays[name])))
+                setattr(self, name, kind(_in_dtype(arrays[name], config.dtype)))
         self.layers = nnx.List([
-            nnx.Dict({name: nnx.Param(jnp.asarray(np.asarray(arrays[name])[i])) for name in per_layer})
+            nnx.Dict({name: nnx.Param(_in_dtype(np.asarray(arrays[name])[i], config.dtype)) for name in per_layer})
             for i in range(config.num_layers)
         ])
 
     @classmethod
     def from_arrays(cls, config: LlamaConfig, arrays: Mapping[str, object]) -> Llama:
-        """Builds a model from ``{name: array}`` laid out as in :func:`param_shapes`."""
+        """Builds a model from ``{name: array}`` laid out as in :func:`param_shapes` (floating arrays
+        cast to ``config.dtype``)."""
         return cls(config, arrays=arrays)
+
+    def astype(self, dtype: str) -> Llama:
+        """This model with its floating weights cast to ``dtype`` (one of `DTYPES`); itself if already so."""
+        if dtype == self.config.dtype:
+            return self
+        config = dataclasses.replace(self.config, dtype=dtype)  # validates dtype
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: _in_dtype(x, dtype), state))
+        model.config = config
+        return model
 
     def params(self) -> Params:
         """The weights for :func:`forward`: ``{name: array}``, layer weights as tuples of L arrays."""
@@ -502,6 +520,12 @@ class Llama(nnx.Module):
                  compute_logits: bool = True) -> tuple[jax.Array | None, KVCache]:
         """:func:`forward` with this model's weights."""
         return forward(self.config, self.params(), tokens, cache, compute_logits=compute_logits)
+
+
+def _in_dtype(x, dtype: str) -> jax.Array:
+    """``x`` as a jax array, cast to ``dtype`` if floating (integer arrays such as ``vocab_map`` kept)."""
+    x = jnp.asarray(x)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 ApplyFn = Callable[..., tuple[jax.Array | None, KVCache]]

@@ -16,6 +16,12 @@ class LoadedModel(NamedTuple):
     config: LlamaConfig
     tokenizer: ByteTokenizer
 
+    def astype(self, dtype: str) -> LoadedModel:
+        """This model with its weights (and so its activations and KV cache) in ``dtype``: "float32" or
+        "bfloat16" (`Llama.astype`)."""
+        model = self.model.astype(dtype)
+        return LoadedModel(model, model.config, self.tokenizer)
+
     def as_target(self):
         """``(TargetModel, weights)`` of the model, for the engine (``specdec_jax.target``)."""
         return self.model.as_target()

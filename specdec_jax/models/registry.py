@@ -39,10 +39,15 @@ def known_models() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def load_model(name: str, *, seed: int = 0) -> LoadedModel:
+def load_model(name: str, *, seed: int = 0, dtype: str | None = None) -> LoadedModel:
     """Builds a registered model by name (same ``(name, seed)``, same weights), or loads
-    a local path: a llama ``.gguf`` file, a specdec model folder (a trained draft) or a
-    Hugging Face model directory."""
+    a local path: a llama or qwen2 ``.gguf`` file, a specdec model folder (a trained draft) or a
+    Hugging Face model directory. ``dtype`` ("float32", "bfloat16"; None: as loaded) casts the weights."""
+    loaded = _load(name, seed)
+    return loaded if dtype is None else loaded.astype(dtype)
+
+
+def _load(name: str, seed: int) -> LoadedModel:
     if name in _BUILDERS:
         return _BUILDERS[name](seed)
     path = pathlib.Path(name).expanduser()
