@@ -18,11 +18,11 @@ from specdec_jax.drafters.heads import load_head
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
-from specdec_jax.sharding import make_mesh, shard_model
+from specdec_jax.sharding import make_mesh, place_model
 
 
 def build_drafter(cfg: RunConfig, target, mesh=None):
-    """The drafter the config names (None for plain decoding); a draft model's weights go onto `mesh`."""
+    """The drafter the config names (None for plain decoding); a draft model goes onto `mesh` (`place_model`)."""
     if cfg.effective_gamma == 0:
         return None
     if cfg.drafter == "ngram":
@@ -33,7 +33,7 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter), tree=cfg.tree_shape)
     draft = load_model(cfg.draft_model)
     if mesh is not None:
-        shard_model(draft.model, mesh, "the draft model")
+        draft = place_model(draft, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
 
 
@@ -80,12 +80,12 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
 
 def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool = True) -> dict:
     """Generate for every prompt in batches of cfg.batch_size on the mesh cfg.mesh (default:
-    every device on data; the weights are placed on it once); returns the JSON-ready report."""
+    every device on data; the models are placed on it once, `place_model`); returns the JSON-ready report."""
     target = target or load_model(cfg.model)
     mesh = make_mesh(cfg.mesh)
     mesh = mesh if mesh.size > 1 else None
     if mesh is not None:
-        shard_model(target.model, mesh, "the target")
+        target = place_model(target, mesh, "the target")
     drafter = drafter if drafter is not None else build_drafter(cfg, target, mesh)
     records = records if records is not None else prompt_records(cfg)
     tok = target.tokenizer

@@ -8,9 +8,10 @@ GSPMD. Nothing crosses to the host until the loop ends (:func:`to_host`).
 Mesh axes:
 
     data   rows of the batch
-    model  attention heads, KV heads and MLP hidden units (column-parallel
-           projections in, row-parallel out: one all-reduce after attention
-           and one after the MLP, per layer)
+    model  attention heads, KV heads (replicated where ``model`` does not
+           divide them) and MLP hidden units (column-parallel projections in,
+           row-parallel out: one all-reduce after attention and one after
+           the MLP, per layer)
 
 Rules (``H`` hidden, ``N``/``K`` query/KV heads of size ``D``, ``I`` MLP width,
 ``V`` vocab, ``B`` rows, ``T`` KV slots; layer weights may carry a leading
@@ -25,8 +26,18 @@ Rules (``H`` hidden, ``N``/``K`` query/KV heads of size ``D``, ``I`` MLP width,
     scalars (key, step), per-position and width counters   replicated
 
 so ``model`` must divide ``N``, ``K`` and ``I`` (whole heads per device) of the
-target and of a draft model (:func:`check_model_axis`), and ``data`` must divide
-the padded batch (the engine pads the batch up to a multiple of it).
+target and of a draft model or EAGLE head (:func:`check_model_axis`), and
+``data`` must divide the padded batch (the engine pads the batch up to a
+multiple of it).
+
+KV-head replication: a model axis ``m`` that divides ``N`` and ``I`` but not
+``K`` (Qwen2.5's 2 KV heads on ``model=4``) works once every KV head is
+repeated ``r = lcm(K, m) / K`` times (:func:`replicate_kv_heads`): ``K*r``
+heads, which ``m`` divides, query head ``h`` reading copy ``h // (N / (K*r))``
+of the head it read before: the logits are unchanged.
+:func:`place_model` replicates (when needed) and shards a target or draft
+model; the runner places both through it. An EAGLE head is not replicated:
+its ``model`` must divide its ``K``.
 
 A one-device mesh is no mesh: the engine then runs its single-device path.
 
@@ -45,6 +56,7 @@ collective.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +77,7 @@ AXES = (DATA, MODEL)
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # [.., out, in]: out on `model`
 ROW_PARALLEL = ("wo", "w_down")  # [.., out, in]: in on `model`
 SPLIT_BIASES = ("bq", "bk", "bv")  # [.., out]: out on `model`, as their projections
+KV_HEAD_PARAMS = ("wk", "wv", "bk", "bv")  # [.., K*D, H] and [.., K*D]: repeated by `replicate_kv_heads`
 # state fields without a batch axis: Counters' per-position and per-width counts, a calibration's forced shape
 UNBATCHED_STATE = ("position_proposed", "position_accepted", "width_rounds", "forced_shape")
 
@@ -99,14 +112,30 @@ def make_mesh(text: str | None = None, devices=None) -> Mesh:
                          devices=devices[:needed])
 
 
+def kv_replication(size: int, num_kv_heads: int) -> int:
+    """How many times :func:`place_model` repeats each of ``num_kv_heads`` KV heads for a
+    ``model`` axis of ``size``: ``lcm(K, size) / K`` (1 when ``size`` divides ``K``)."""
+    return math.lcm(num_kv_heads, size) // num_kv_heads
+
+
 def check_model_axis(mesh: Mesh, config, what: str = "the model") -> None:
-    """ValueError unless the ``model`` axis divides the head counts and MLP width of ``config``."""
+    """ValueError unless the ``model`` axis divides the head counts and MLP width of ``config``
+    (as it is placed: after any :func:`replicate_kv_heads`); the message says what would work."""
     size = mesh.shape[MODEL]
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    heads, width, kv_heads = config.num_heads, config.intermediate_size, config.num_kv_heads
+    for name in ("num_heads", "intermediate_size", "num_kv_heads"):
         if getattr(config, name) % size:
+            if heads % size or width % size:
+                sizes = ", ".join(str(m) for m in range(1, heads + 1) if heads % m == 0 == width % m)
+                advice = (f"model must divide num_heads and intermediate_size ({sizes}); where it does not "
+                          "divide num_kv_heads, the KV heads are replicated (sharding.place_model, for a target "
+                          "or draft model; an EAGLE head's model axis must divide its num_kv_heads)")
+            else:
+                advice = (f"replicate its KV heads to {kv_heads * kv_replication(size, kv_heads)} first, as "
+                          "sharding.place_model does for a target or draft model (an EAGLE head's KV heads "
+                          "are not replicated)")
             raise ValueError(f"mesh axis model={size} does not divide {name} = {getattr(config, name)} of {what} "
-                             f"(num_heads {config.num_heads}, num_kv_heads {config.num_kv_heads}, "
-                             f"intermediate_size {config.intermediate_size})")
+                             f"(num_heads {heads}, num_kv_heads {kv_heads}, intermediate_size {width}): {advice}")
 
 
 def param_spec(name: str, ndim: int) -> P:
@@ -140,6 +169,44 @@ def shard_model(model, mesh: Mesh, what: str = "the model") -> None:
     check_model_axis(mesh, model.config, what)
     state = nnx.state(model)
     nnx.update(model, shard_params(state, mesh))
+
+
+def replicate_kv_heads(loaded, factor: int):
+    """``loaded`` (a ``LoadedModel``) with each of its ``K`` KV heads repeated ``factor`` times
+    in a row: ``wk``, ``wv [L, K*D, H]`` -> ``[L, K*factor*D, H]``, ``bk``, ``bv [L, K*D]`` ->
+    ``[L, K*factor*D]`` (Qwen2's biases), ``num_kv_heads`` ``K*factor``; q/k norms ``[L, D]``
+    are per head_dim and stay. Query head ``h`` then reads copy ``h // (N / (K*factor))`` of the
+    head it read before: the same logits, and a KV cache of ``K*factor`` heads. A new model
+    (weights on the default device); ``factor`` 1 returns ``loaded`` itself."""
+    if factor == 1:
+        return loaded
+    config = loaded.config
+    heads = config.num_kv_heads * factor
+    if factor < 1 or config.num_heads % heads:
+        raise ValueError(f"cannot repeat {config.num_kv_heads} KV heads {factor} times: {heads} heads do not "
+                         f"divide num_heads {config.num_heads}")
+    arrays = loaded.model.arrays()
+    for name in KV_HEAD_PARAMS:
+        if name in arrays:
+            x = arrays[name]
+            axis = x.ndim - (2 if name in COLUMN_PARALLEL else 1)  # the K*D axis
+            by_head = x.reshape(x.shape[:axis] + (config.num_kv_heads, -1) + x.shape[axis + 1:])
+            arrays[name] = np.repeat(by_head, factor, axis=axis).reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
+    config = dataclasses.replace(config, num_kv_heads=heads)
+    return loaded._replace(model=type(loaded.model).from_arrays(config, arrays), config=config)
+
+
+def place_model(loaded, mesh: Mesh, what: str = "the model"):
+    """``loaded`` (a ``LoadedModel``) with its weights on ``mesh``: its KV heads first repeated
+    ``kv_replication`` times when the ``model`` axis divides ``num_heads`` and
+    ``intermediate_size`` but not ``num_kv_heads`` (:func:`replicate_kv_heads`, a new
+    ``LoadedModel``), then sharded in place (:func:`shard_model`). A ValueError
+    (:func:`check_model_axis`) where no replication helps."""
+    config, size = loaded.config, mesh.shape[MODEL]
+    if config.num_heads % size == 0 and config.intermediate_size % size == 0:
+        loaded = replicate_kv_heads(loaded, kv_replication(size, config.num_kv_heads))
+    shard_model(loaded.model, mesh, what)
+    return loaded
 
 
 def state_shardings(state, mesh: Mesh):

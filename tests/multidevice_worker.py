@@ -4,28 +4,35 @@
 
 prints one JSON object: for every mesh and case (default: all of `cases`), the
 emitted tokens and stop reasons of one `generate` call, and the shardings the
-loop state carried before and after the loop; and the error of a mesh whose
-model axis does not divide tiny-random's 2 KV heads. "data=1" is one device:
-the single-device path.
+loop state carried before and after the loop; the runner's greedy tokens on
+`REPLICATION_MESHES`, whose model axis exceeds the models' KV heads; and the
+errors of a model axis no replication helps and of a target whose KV heads
+were not replicated. "data=1" is one device: the single-device path.
 
-The models are tiny random Llamas whose head counts (8 query, 4 KV heads; the
-draft model 4 and 4) divide a model axis of 4; tiny-random's 2 KV heads do not.
+The models of `cases` are tiny random Llamas whose head counts (8 query, 4 KV
+heads; the draft model 4 and 4) divide a model axis of 4. Those of
+`replicated_kv_heads` have 2 KV heads (the target, as Qwen2.5, with q/k/v
+biases) and 1 (the draft model) for model axes of 4 and 8.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 
 import jax
 import numpy as np
 
-from specdec_jax import engine, sharding
+from specdec_jax import engine, runner, sharding
+from specdec_jax.config import RunConfig
 from specdec_jax.drafters import (EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter,
                                   oracle_drafter)
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig
+from specdec_jax.models.loaded import LoadedModel
+from specdec_jax.models.loading import save_model_dir
 from specdec_jax.models.registry import random_llama
 from specdec_jax.models.tokenizer import ByteTokenizer
 from specdec_jax.sampling import SamplingParams
@@ -94,13 +101,53 @@ def run(mesh_text: str, names: list[str], target, draft) -> dict:
     return out
 
 
-def indivisible_error() -> str:
-    """The message of generate on tiny-random (2 KV heads) over a mesh with model=4."""
+KV_TARGET = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=1,
+                        num_heads=8, num_kv_heads=2, head_dim=8, attention_bias=True)
+KV_DRAFT = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=8, num_kv_heads=1, head_dim=4, tie_embeddings=True)
+REPLICATION_MESHES = ("data=1,model=4", "data=1,model=8")
+TEXTS = ("abcabcabcabc", "hello hello hello", "xyzzy", "the cat sat on the mat, the cat", "q", "0101010101",
+         "speculative", "aaaa")
+
+
+def replicated_kv_heads() -> dict:
+    """The tokens of `runner.run` (greedy, batch 8) with `KV_TARGET` on one device, plain decoding
+    (greedy speculative decoding emits the same tokens; the cheapest reference), and per mesh of
+    `REPLICATION_MESHES` with the draft-model drafter (gamma 3) and `KV_DRAFT`, read from a saved
+    folder as --draft-model does: the runner places both with `sharding.place_model`. Per mesh
+    also the KV heads and `wk` sharding of the target as placed."""
+    target = LoadedModel(random_llama(KV_TARGET, seed=4), KV_TARGET, ByteTokenizer())
+    records = [{"id": str(i), "prompt": text} for i, text in enumerate(TEXTS)]
+    common = dict(model="kv-target", max_new_tokens=MAX_NEW, batch_size=len(TEXTS), raw=True)
+
+    def tokens(cfg: RunConfig) -> list[list[int]]:
+        return [r["tokens"] for r in runner.run(cfg, target=target, records=records, progress=False)["results"]]
+
+    out = {"data=1": {"tokens": tokens(RunConfig(drafter="none", mesh="data=1", **common))}}
+    with tempfile.TemporaryDirectory() as folder:
+        save_model_dir(folder, LoadedModel(random_llama(KV_DRAFT, seed=5), KV_DRAFT, ByteTokenizer()))
+        for mesh in REPLICATION_MESHES:
+            placed = sharding.place_model(target, sharding.make_mesh(mesh), "the target")
+            out[mesh] = {"tokens": tokens(RunConfig(drafter="draft-model", draft_model=folder, gamma=3, mesh=mesh,
+                                                    **common)),
+                         "kv_heads": placed.config.num_kv_heads, "wk": specs(placed.model.params()["wk"])}
+    return out
+
+
+def errors() -> dict:
+    """The messages of a model axis that no KV-head replication helps (the runner, tiny-random's
+    4 query heads on model=3) and of `generate` on a target whose 2 KV heads were not replicated
+    for model=4 ("no error" where none is raised)."""
+    out = {"indivisible": "no error", "unreplicated": "no error"}
+    try:
+        runner.run(RunConfig(model="tiny-random", drafter="none", mesh="data=1,model=3", raw=True, prompt=("x",)))
+    except ValueError as err:
+        out["indivisible"] = str(err)
     try:
         engine.generate(load_model("tiny-random"), [[1, 2]], mesh=sharding.make_mesh("data=2,model=4"))
     except ValueError as err:
-        return str(err)
-    return "no error"
+        out["unreplicated"] = str(err)
+    return out
 
 
 def main() -> None:
@@ -111,7 +158,8 @@ def main() -> None:
     target, draft = random_llama(TARGET, seed=1), random_llama(DRAFT, seed=2)
     names = args.cases.split(",") if args.cases else list(cases(target, draft))
     out = {m: run(m, names, target, draft) for m in args.meshes}
-    print(json.dumps({"devices": jax.device_count(), "indivisible_error": indivisible_error(), "meshes": out}))
+    print(json.dumps({"devices": jax.device_count(), "errors": errors(), "replicated_kv_heads": replicated_kv_heads(),
+                      "meshes": out}))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ with 8 CPU devices, which returns every mesh's outputs as JSON in one process
 compiles again), and `specdec-jax generate` as 2 processes on 127.0.0.1.
 
 In the default suite: the one-device reference and the 2x4 mesh (both axes
-sharded, model = 4) for the n-gram drafter (greedy) and the draft model
-(greedy and sampled rows), about 45 s on a loaded 2-core machine. With
-`-m slow`: every mesh (8x1, 4x2, 2x4, 1x1) and every drafter, about 4 minutes,
-and the 2-process launch.
+sharded, model = 4) for the n-gram drafter (greedy), the draft model and the
+EAGLE head (greedy and sampled rows), and the runner on 1x4 and 1x8 meshes, which
+replicate the KV heads (a target of 2, a draft model of 1), about 60 s on a
+loaded 2-core machine. With `-m slow`: every mesh (8x1, 4x2, 2x4, 1x1) and
+every drafter, about 4 minutes, and the 2-process launch.
 """
 
 from __future__ import annotations
@@ -65,7 +66,27 @@ def assert_meshes_agree(report: dict) -> None:
                 "tokens_before": ["P('data',)"], "tokens_after": ["P('data',)"],
                 "wq": ["P('model', None)"], "wo": ["P(None, 'model')"],
             }, mesh
-    assert "mesh axis model=4 does not divide num_kv_heads = 2 of the target" in report["indivisible_error"]
+    assert_kv_heads_replicated(report)
+
+
+def assert_kv_heads_replicated(report: dict) -> None:
+    """The runner on model axes beyond the KV heads (2 of the target, 1 of the draft model) gives
+    the tokens of one device (plain decoding); a model axis that no replication helps is refused,
+    naming the sizes that work, and so is a target whose KV heads were not replicated."""
+    runs = report["replicated_kv_heads"]
+    reference = runs["data=1"]["tokens"]
+    assert len(reference) == 8 and all(reference)
+    for mesh, out in runs.items():
+        assert out["tokens"] == reference, f"{mesh}: {out['tokens']} != {reference}"
+    assert list(runs) == ["data=1", "data=1,model=4", "data=1,model=8"]
+    assert runs["data=1,model=4"]["kv_heads"] == 4 and runs["data=1,model=8"]["kv_heads"] == 8
+    assert runs["data=1,model=4"]["wk"] == runs["data=1,model=8"]["wk"] == ["P('model', None)"]
+    assert report["errors"]["indivisible"].startswith(
+        "mesh axis model=3 does not divide num_heads = 4 of the target (num_heads 4, num_kv_heads 2, "
+        "intermediate_size 256): model must divide num_heads and intermediate_size (1, 2, 4)")
+    assert report["errors"]["unreplicated"].startswith(
+        "mesh axis model=4 does not divide num_kv_heads = 2 of the target (num_heads 4, num_kv_heads 2, "
+        "intermediate_size 256): replicate its KV heads to 4 first")
 
 
 @pytest.mark.multidevice
