@@ -63,7 +63,7 @@ def reduced_draft() -> tuple[LlamaConfig, dict]:
     target must still produce at its own rate (through residual resampling)."""
     config = dataclasses.replace(CONFIG, output_vocab_size=len(REDUCED_IDS))
     arrays = draft().arrays()
-    arrays["lm_head"] = arrays["lm_head"][:, REDUCED_IDS]
+    arrays["lm_head"] = arrays["lm_head"][REDUCED_IDS]
     arrays["vocab_map"] = REDUCED_IDS
     return config, Llama.from_arrays(config, arrays).params()
 

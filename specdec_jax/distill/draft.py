@@ -54,8 +54,8 @@ def init_draft(cfg: LlamaConfig, target_cfg: LlamaConfig, target_arrays: dict, t
     layers = copied_layers(target_cfg.num_layers, cfg.num_layers)
     arrays["embed"] = target_arrays["embed"]
     arrays["final_norm"] = target_arrays["final_norm"]
-    head = target_arrays["embed"].T if target_cfg.tie_embeddings else target_arrays["lm_head"]  # [H,V]
-    arrays["lm_head"] = np.ascontiguousarray(head if vocab_map is None else head[:, vocab_map])
+    head = target_arrays["embed"] if target_cfg.tie_embeddings else target_arrays["lm_head"]  # [V,H]
+    arrays["lm_head"] = np.ascontiguousarray(head if vocab_map is None else head[vocab_map])
     for name in layer_params(cfg):
         arrays[name] = np.asarray(target_arrays[name])[layers]
     return arrays

@@ -40,7 +40,7 @@ def head_vocab(target, tc: TrainConfig) -> int | None:
 def target_head_rows(target) -> np.ndarray:
     """f32[H,V]: the target's LM head."""
     arrays = target.model.arrays()
-    return arrays["embed"].T if target.config.tie_embeddings else arrays["lm_head"]
+    return (arrays["embed"] if target.config.tie_embeddings else arrays["lm_head"]).T
 
 
 def shared_target_weights(target) -> dict:

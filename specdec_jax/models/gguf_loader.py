@@ -62,7 +62,7 @@ def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfi
 
     arrays = {"embed": load("token_embd.weight"), "final_norm": load("output_norm.weight")}
     if not config.tie_embeddings:
-        arrays["lm_head"] = load("output.weight").T
+        arrays["lm_head"] = load("output.weight")  # [V, H]
     for gguf_name, ours in LAYER_TENSORS.items():
         layers = []
         for i in range(config.num_layers):

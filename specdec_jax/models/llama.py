@@ -26,22 +26,24 @@ use the rotate-half RoPE order), and :func:`linear` computes ``x @ w.T``::
     w_up        [L, I, H]       layers.*.mlp.up_proj.weight
     w_down      [L, H, I]       layers.*.mlp.down_proj.weight
     final_norm  [H]             model.norm.weight
-    lm_head     [H, V]          lm_head.weight.T   (absent when tie_embeddings)
+    lm_head     [V, H]          lm_head.weight     (absent when tie_embeddings)
     bq          [L, N*D]        layers.*.self_attn.q_proj.bias    (attention_bias)
     bk, bv      [L, K*D]        layers.*.self_attn.{k,v}_proj.bias
     q_norm      [L, D]          layers.*.self_attn.q_norm.weight  (qk_norm)
     k_norm      [L, D]          layers.*.self_attn.k_norm.weight
 
-Why ``[out, in]``: XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
+Why ``[out, in]`` (the head too): XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
 about the cost of one matrix-vector product, where ``x @ w [in, out]`` cost
 2-2.5x a 1-row product from 2 rows on (this project's 2-core CPU, SmolLM2-135M's
 30 layers alone: batch 1, 3 / 5 tokens 61 / 76 -> 42 / 57 ms; batch 4, 1 token
 75 -> 56 ms; batch 16, 1 token 156 -> 102 ms). Weights saved in the earlier
 ``[in, out]`` layout (folders without ``"layout": "out_in"``) are transposed on
-load (:func:`from_in_out_layout`).
+load (:func:`from_saved_layout`); so is the head of folders saved with ``lm_head [H, V]``
+(``"layout": "out_in"``). Stored ``[H, V]``, the head of Qwen2.5-1.5B (a third of its weights) made a
+5-token verify pass cost 2.04 one-token passes instead of about 1.2.
 
 A draft with a reduced output vocabulary (``output_vocab_size = Vo < V``, for a
-cheap head) has ``lm_head [H, Vo]`` and ``vocab_map i32[Vo]``: logit ``j`` is
+cheap head) has ``lm_head [Vo, H]`` and ``vocab_map i32[Vo]``: logit ``j`` is
 token ``vocab_map[j]``. Its input embedding keeps all ``V`` rows.
 
 :meth:`Llama.params` hands the layer weights out as tuples of ``L`` separate
@@ -86,7 +88,8 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 BIAS_PARAMS = ("bq", "bk", "bv")  # [L, out]: attention_bias
 QK_NORM_PARAMS = ("q_norm", "k_norm")  # [L, D]: qk_norm
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, out, in]
-LAYOUT = "out_in"  # what saved folders record of the layer matrices' layout
+LAYOUT = "out_in"  # what saved head folders record: the decoder layer's matrices are [out, in]
+MODEL_LAYOUT = "out_in_head"  # what saved model folders record: every matrix [out, in], lm_head [Vo, H] too
 DTYPES = ("float32", "bfloat16")  # weight dtypes (LlamaConfig.dtype)
 
 # Random init: embeddings and head ~ N(0, (LOGIT_STD / sqrt(H))^2) so that the
@@ -167,10 +170,10 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "final_norm": (H,),
     }
     if cfg.output_vocab_size is not None:
-        shapes["lm_head"] = (H, cfg.output_vocab_size)
+        shapes["lm_head"] = (cfg.output_vocab_size, H)
         shapes["vocab_map"] = (cfg.output_vocab_size,)
     elif not cfg.tie_embeddings:
-        shapes["lm_head"] = (H, V)
+        shapes["lm_head"] = (V, H)
     if cfg.attention_bias:  # after the Llama weights, so that random Llamas keep their draws
         shapes.update(bq=(L, q_out), bk=(L, kv_out), bv=(L, kv_out))
     if cfg.qk_norm:
@@ -201,7 +204,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
             drawn = 1.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape[:-2] + (shape[-1], shape[-2]))
             params[name] = np.ascontiguousarray(np.swapaxes(drawn.astype(np.float32), -1, -2))
             continue
-        params[name] = (embed_std * rng.standard_normal(shape)).astype(np.float32)  # embed, lm_head
+        if name == "lm_head":  # drawn [H, V], as before the layout changed
+            params[name] = np.ascontiguousarray((embed_std * rng.standard_normal(shape[::-1])).astype(np.float32).T)
+            continue
+        params[name] = (embed_std * rng.standard_normal(shape)).astype(np.float32)  # embed
     return params
 
 
@@ -210,6 +216,19 @@ def from_in_out_layout(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
     today's layout."""
     return {name: np.ascontiguousarray(np.swapaxes(a, -1, -2)) if name in LAYER_MATRICES else a
             for name, a in arrays.items()}
+
+
+def from_saved_layout(arrays: Mapping[str, np.ndarray], layout: str | None) -> dict[str, np.ndarray]:
+    """Model ``arrays`` saved under ``layout`` (a folder's ``"layout"``), in today's `MODEL_LAYOUT`:
+    None (layer matrices ``[L, in, out]``, head ``[H, V]``) and `LAYOUT` (head ``[H, V]``) are converted."""
+    if layout == MODEL_LAYOUT:
+        return dict(arrays)
+    if layout not in (None, LAYOUT):
+        raise ValueError(f"unknown weight layout {layout!r}")
+    arrays = from_in_out_layout(arrays) if layout is None else dict(arrays)
+    if "lm_head" in arrays:
+        arrays["lm_head"] = np.ascontiguousarray(np.swapaxes(arrays["lm_head"], -1, -2))
+    return arrays
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -381,12 +400,8 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
 
 def lm_head(cfg: LlamaConfig, params: Mapping[str, jax.Array], normed: jax.Array) -> jax.Array:
     """f32[B,S,V] logits (``[B,S,Vo]`` with a reduced output vocabulary) of final-norm states ``[B,S,H]``."""
-    if cfg.tie_embeddings:  # embed [V, H] is [out, in] (`embed.T` would be copied inside loops)
-        logits = jnp.moveaxis(jnp.einsum("oi,...i->o...", params["embed"], normed,
-                                         preferred_element_type=jnp.float32), 0, -1)
-    else:
-        logits = jnp.einsum("...i,io->...o", normed, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]  # [V or Vo, H]: [out, in]
+    return jnp.moveaxis(jnp.einsum("oi,...i->o...", head, normed, preferred_element_type=jnp.float32), 0, -1)
 
 
 def forward(

@@ -15,14 +15,14 @@ import sys
 import numpy as np
 
 from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
-from specdec_jax.models.llama import LAYOUT, Llama, LlamaConfig, from_in_out_layout
+from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, from_saved_layout
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
 # Version of a converted-cache entry, part of its folder name: an entry of another version is
 # converted again. v2: config.json has max_positions (v1 folders, a bare sha256, lack it).
-CACHE_FORMAT = "v3"  # v3: layer matrices [out, in] (models.llama)
+CACHE_FORMAT = "v4"  # v3: layer matrices [out, in] (models.llama); v4: lm_head [V, H] too
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}. of every family (matrices as they are: [out, in])
     "attn_norm": "input_layernorm.weight",
@@ -96,7 +96,7 @@ def save_model_dir(folder: str | pathlib.Path, loaded: LoadedModel, info: dict |
     else:
         kind = "hf"
         loaded.tokenizer.save(folder)
-    marker = {"config": dataclasses.asdict(loaded.config), "tokenizer": kind, "layout": LAYOUT, "info": info or {}}
+    marker = {"config": dataclasses.asdict(loaded.config), "tokenizer": kind, "layout": MODEL_LAYOUT, "info": info or {}}
     (folder / MODEL_DIR_MARKER).write_text(json.dumps(marker, indent=1, default=_jsonable))
     return folder
 
@@ -118,8 +118,7 @@ def load_model_dir(folder: str | pathlib.Path) -> LoadedModel:
         arrays = {k: np.asarray(v) for k, v in ocp.StandardCheckpointer().restore(folder / "params").items()}
     except Exception as err:  # orbax raises many kinds; name the folder
         raise ValueError(f"{folder}: cannot read the model ({err.__class__.__name__}: {err})") from None
-    if marker.get("layout") != LAYOUT:  # saved before the [out, in] layout
-        arrays = from_in_out_layout(arrays)
+    arrays = from_saved_layout(arrays, marker.get("layout"))
     check_vocab_map(config, arrays, folder)
     tokenizer = ByteTokenizer() if marker["tokenizer"] == "byte" else _hf_tokenizer(folder)
     return LoadedModel(Llama.from_arrays(config, arrays), config, tokenizer)
@@ -216,7 +215,7 @@ def hf_layer_weights(config: LlamaConfig) -> dict[str, str]:
 
 
 def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: layer matrices [L, out, in])."""
+    """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: matrices [out, in], as HF's)."""
 
     def get(name):
         if name not in weights:
@@ -225,7 +224,7 @@ def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, 
 
     arrays = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     if not config.tie_embeddings:
-        arrays["lm_head"] = get("lm_head.weight").T
+        arrays["lm_head"] = get("lm_head.weight")
     for ours, theirs in hf_layer_weights(config).items():
         layers = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
         arrays[ours] = np.stack(layers)
