@@ -108,8 +108,9 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
           peer: str | None = None) -> dict:
     """Runs the benchmark; returns the JSON-ready report (also printed as tables by the CLI).
 
-    peer="hf" also times transformers greedy and prompt-lookup decoding (prompt_lookup_num_tokens
-    = gamma) on the same checkpoint and prompts, right after ours on each prompt (batch size 1).
+    peer="hf" also times transformers greedy decoding and, beside our drafter, its counterpart (`peer_mode`:
+    prompt-lookup decoding with prompt_lookup_num_tokens = gamma, or assisted generation with the same draft
+    model) on the same checkpoints and prompts, right after ours on each prompt (batch size 1).
     """
     one_device_only(cfg, "bench")
     if cfg.effective_gamma == 0:
@@ -129,7 +130,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     if peer:
         from specdec_jax.peer_hf import HFPeer
 
-        hf = HFPeer(cfg.model)
+        hf = HFPeer(cfg.model, cfg.draft_model if peer_mode(cfg) == "assisted" else None)
     drafter = build_drafter(cfg, target)
     records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
@@ -164,8 +165,9 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
         if hf is not None:
             hf_eos = None if cfg.ignore_eos else tok.eos_id  # the peer stops at its own EOS only, not at --stop-id
-            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats)
-                         for mode, lookup in (("greedy", 0), ("lookup", cfg.widest_gamma))}
+            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats, assisted)
+                         for mode, lookup, assisted in (("greedy", 0, False), (peer_mode(cfg), cfg.widest_gamma
+                                                        if peer_mode(cfg) == "lookup" else 0, peer_mode(cfg) == "assisted"))}
             for result in row["hf"].values():
                 tokens = result.pop("tokens")
                 result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
@@ -174,6 +176,12 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     bandwidth = memory_bandwidth()
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
     return _report(cfg, rows, bandwidth, param_bytes, repeats)
+
+
+def peer_mode(cfg: RunConfig) -> str:
+    """transformers' counterpart of our drafter: "assisted" (assistant_model) for a draft model, else
+    "lookup" (prompt-lookup decoding)."""
+    return "assisted" if cfg.drafter == "draft-model" else "lookup"
 
 
 def _subsample(records: list[dict], per_category: int | None) -> list[dict]:
@@ -298,12 +306,14 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
 def _aggregate_peer(rows: list[dict], plain_rate: float, spec_rate: float) -> dict:
     """transformers rates over the same rows (decode phase, tokens after the first) and our ratios to them."""
     out = {}
-    for mode in ("greedy", "lookup"):
+    drafted = next(mode for mode in rows[0]["hf"] if mode != "greedy")  # "lookup" or "assisted"
+    for mode in ("greedy", drafted):
         rate = sum(r["hf"][mode]["decode_tokens"] for r in rows) / sum(r["hf"][mode]["decode_s"] for r in rows)
         out[f"hf_{mode}_tokens_per_s"] = rate
         out[f"hf_{mode}_same_as_plain"] = sum(r["hf"][mode]["same_as_plain"] for r in rows) / len(rows)
     out["plain_over_hf_greedy"] = plain_rate / out["hf_greedy_tokens_per_s"]
-    out["spec_over_hf_lookup"] = spec_rate / out["hf_lookup_tokens_per_s"]
+    out[f"spec_over_hf_{drafted}"] = spec_rate / out[f"hf_{drafted}_tokens_per_s"]
+    out["hf_drafted_mode"] = drafted
     return out
 
 
@@ -347,13 +357,14 @@ def format_report(report: dict) -> str:
             f"{a['Tv_ms']:.1f} | {a['verify_ms_per_round']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
             f"{a['measured_over_predicted']:.2f} | {equal} |")
     if "hf_greedy_tokens_per_s" in report["overall"]:
-        lines += ["", "| category | hf greedy tok/s | ours plain / hf greedy | hf lookup tok/s | ours spec / hf lookup "
-                  "| hf greedy = ours | hf lookup = ours |", "|---|---|---|---|---|---|---|"]
+        mode = report["overall"]["hf_drafted_mode"]  # lookup or assisted
+        lines += ["", f"| category | hf greedy tok/s | ours plain / hf greedy | hf {mode} tok/s | ours spec / hf {mode} "
+                  f"| hf greedy = ours | hf {mode} = ours |", "|---|---|---|---|---|---|---|"]
         for name, a in [*report["categories"].items(), ("**overall**", report["overall"])]:
             lines.append(
                 f"| {name} | {a['hf_greedy_tokens_per_s']:.1f} | {a['plain_over_hf_greedy']:.2f}x | "
-                f"{a['hf_lookup_tokens_per_s']:.1f} | {a['spec_over_hf_lookup']:.2f}x | "
-                f"{a['hf_greedy_same_as_plain']:.2f} | {a['hf_lookup_same_as_plain']:.2f} |")
+                f"{a[f'hf_{mode}_tokens_per_s']:.1f} | {a[f'spec_over_hf_{mode}']:.2f}x | "
+                f"{a['hf_greedy_same_as_plain']:.2f} | {a[f'hf_{mode}_same_as_plain']:.2f} |")
     rates = report["overall"]["per_position_acceptance"]
     reached = [r for i, r in enumerate(rates) if not all(math.isnan(x) for x in rates[i:])]  # up to the deepest
     pos = ", ".join(map(format_rate, reached))

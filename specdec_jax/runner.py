@@ -31,7 +31,7 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
     if cfg.drafter in ("eagle", "medusa"):
         return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter), tree=cfg.tree_shape)
-    draft = load_model(cfg.draft_model)
+    draft = load_model(cfg.draft_model, dtype=cfg.dtype)
     if mesh is not None:
         draft = place_model(draft, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
@@ -81,7 +81,7 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
 def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool = True) -> dict:
     """Generate for every prompt in batches of cfg.batch_size on the mesh cfg.mesh (default:
     every device on data; the models are placed on it once, `place_model`); returns the JSON-ready report."""
-    target = target or load_model(cfg.model)
+    target = target or load_model(cfg.model, dtype=cfg.dtype)
     mesh = make_mesh(cfg.mesh)
     mesh = mesh if mesh.size > 1 else None
     if mesh is not None:

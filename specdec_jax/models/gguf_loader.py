@@ -114,7 +114,8 @@ def _dequantize(tensor, path) -> np.ndarray:
     from gguf import quants
 
     try:
-        return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        data = np.array(tensor.data)  # off the memmap: slicing a memmap per row group costs ~3x the dequantization
+        return np.asarray(quants.dequantize(data, tensor.tensor_type), np.float32)
     except NotImplementedError:
         raise ValueError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
                          f"package cannot dequantize") from None
