@@ -22,6 +22,8 @@ FLAG_HELP = {
     "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
     "drafter": "drafter: " + ", ".join(DRAFTERS),
     "draft_model": "draft model name or path (--drafter draft-model), or a trained head folder (eagle, medusa)",
+    "draft_vocab": "--drafter draft-model: the draft's logits over its first N vocabulary ids (BPE merge order, so the "
+                   "most frequent) and its stop ids only, a cheaper head; 0 = its whole vocabulary",
     "dtype": "weights, activations and KV cache of the target and draft model: float32 or bfloat16 (matrix "
              "products in it; norms, softmax and logits in float32)",
     "gamma": "drafts per round (0 = plain decoding), or auto: chosen each round from this device's measured "

@@ -33,6 +33,7 @@ class RunConfig:
     drafter: str = "ngram"
     draft_model: str | None = None
     dtype: str = "float32"  # weights, residual stream and KV cache of the models (specdec_jax.models.llama)
+    draft_vocab: int = 0  # draft-model drafter: logits over the draft's first N ids (+ stop ids) only; 0: all
     gamma: int | str = "auto"  # drafts per round, or "auto": chosen per round (specdec_jax.engine.shape)
     temperature: float = 0.0
     top_k: int = 0
@@ -74,6 +75,11 @@ class RunConfig:
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
+        if self.draft_vocab and self.drafter != "draft-model":
+            raise ValueError(f"draft_vocab reduces a draft model's output vocabulary: it needs drafter 'draft-model', "
+                             f"not {self.drafter!r}")
         if self.drafter in NEEDS_DRAFT_MODEL and not self.draft_model:
             raise ValueError(f"drafter {self.drafter!r} needs draft_model (--draft-model NAME_OR_PATH)")
         if not all(isinstance(p, str) for p in self.prompt):

@@ -32,6 +32,8 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     if cfg.drafter in ("eagle", "medusa"):
         return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter), tree=cfg.tree_shape)
     draft = load_model(cfg.draft_model, dtype=cfg.dtype)
+    if cfg.draft_vocab:
+        draft = draft.with_output_vocab(cfg.draft_vocab)
     if mesh is not None:
         draft = place_model(draft, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)

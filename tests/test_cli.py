@@ -270,6 +270,11 @@ def test_bad_prompts_file(tmp_path, capsys, content, message):
     pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0", id="max-new-tokens"),
     pytest.param(["--batch-size", "0"], "batch_size must be an int >= 1, got 0", id="batch-size"),
     pytest.param(["--drafter", "draft-model"], "needs draft_model (--draft-model", id="draft-model"),
+    pytest.param(["--dtype", "float16"], "dtype must be one of float32, bfloat16, got 'float16'", id="dtype"),
+    pytest.param(["--draft-vocab", "100"], "draft_vocab reduces a draft model's output vocabulary: it needs drafter "
+                 "'draft-model', not 'ngram'", id="draft-vocab-drafter"),
+    pytest.param(["--drafter", "draft-model", "--draft-model", "tiny-random-draft", "--draft-vocab", "258"],
+                 "a reduced output vocabulary needs 0 < size < 258, got 258", id="draft-vocab-size"),
     pytest.param(["--prompt", ""], "encodes to no tokens", id="empty-prompt"),
     pytest.param(["--stop-id", "258"], "stop token id 258 is outside the vocabulary [0, 258)", id="stop-id-vocab"),
     pytest.param(["--prompts-file", "/nonexistent/p.jsonl"], "prompts file not found", id="no-prompts-file"),

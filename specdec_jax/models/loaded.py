@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
+
+import numpy as np
 
 from specdec_jax.models.llama import Llama, LlamaConfig
 from specdec_jax.models.tokenizer import ByteTokenizer
@@ -20,6 +23,25 @@ class LoadedModel(NamedTuple):
         """This model with its weights (and so its activations and KV cache) in ``dtype``: "float32" or
         "bfloat16" (`Llama.astype`)."""
         model = self.model.astype(dtype)
+        return LoadedModel(model, model.config, self.tokenizer)
+
+    def with_output_vocab(self, size: int) -> LoadedModel:
+        """This model as a cheaper draft: logits over the first ``size`` ids of its vocabulary and its stop
+        ids only (``output_vocab_size``, ``vocab_map``; q is zero elsewhere). A byte-level BPE vocabulary
+        is in merge order, so its first ids are the tokens most frequent in the tokenizer's training text
+        (Qwen2.5's first 32768 ids cover 92% of Spec-Bench's question tokens). The head's rows are copied
+        from the model's head (or its tied embedding)."""
+        config = self.config
+        if config.output_vocab_size is not None:
+            raise ValueError("the model's output vocabulary is reduced already")
+        if not 0 < size < config.vocab_size:
+            raise ValueError(f"a reduced output vocabulary needs 0 < size < {config.vocab_size}, got {size}")
+        ids = np.asarray(sorted(set(range(size)) | set(self.tokenizer.stop_ids)), np.int32)
+        arrays = self.model.arrays()
+        head = arrays.pop("lm_head") if "lm_head" in arrays else arrays["embed"]  # [V, H]
+        arrays.update(lm_head=np.ascontiguousarray(head[ids]), vocab_map=ids)
+        config = dataclasses.replace(config, tie_embeddings=False, output_vocab_size=len(ids), dtype="float32")
+        model = type(self.model).from_arrays(config, arrays).astype(self.config.dtype)
         return LoadedModel(model, model.config, self.tokenizer)
 
     def as_target(self):
