@@ -11,8 +11,9 @@ experiments/results/qwen_pair (`--out`):
 
 Prompts: the held-out split (the 5 highest question ids of each category, never trained on), the
 first `--per-category` of each category plus `--extra-coding` more coding questions; batch 1, 128
-new tokens, float32. `acceptance` runs speculative decoding only (tokens per round and acceptance
-by draft position are deterministic for a seed and the same on any hardware); `speed` and `peer`
+new tokens, float32. `acceptance` runs speculative decoding only, all prompts as one ragged batch per
+setting (tokens per round and acceptance by draft position are deterministic for a seed and the same on
+any hardware, and a row's counts are those of its solo run); `speed` and `peer`
 run `specdec_jax.bench` (plain and speculative decoding alternate on each prompt; decode-phase
 medians).
 """
@@ -41,38 +42,35 @@ def questions(args) -> list[dict]:
 
 
 def run_acceptance(args) -> dict:
-    """{"runs": [{"temperature", "gamma", "category", tokens_per_round, per-position acceptance ...}]}."""
-    from tqdm import tqdm
+    """{"runs": [{"temperature", "gamma", "id", "category", "rounds", "emitted_tokens", ...}]}: one ragged batch
+    of every prompt per (temperature, gamma); each row's counts are its solo run's (rows are independent)."""
+    import time
 
-    from specdec_jax.config import RunConfig
+    from specdec_jax.drafters import ModelDrafter
+    from specdec_jax.engine import generate
     from specdec_jax.models import load_model
-    from specdec_jax.runner import build_drafter, prompt_records, run
+    from specdec_jax.runner import encode
+    from specdec_jax.sampling import SamplingParams
 
-    base = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, max_new_tokens=args.max_new_tokens,
-                     seed=args.seed)
-    target = load_model(TARGET)
-    drafter = build_drafter(dataclass_replace(base, gamma=4), target)
-    runs = []
-    with prompts_file(questions(args)) as path:
-        records = prompt_records(dataclass_replace(base, prompts_file=str(path)))
-        grid = [(t, g, r) for t in TEMPERATURES for g in GAMMAS for r in records]
-        for temperature, gamma, record in tqdm(grid, desc="acceptance runs", unit="run"):
-            cfg = dataclass_replace(base, gamma=gamma, temperature=temperature)
-            report = run(cfg, target=target, drafter=drafter, records=[record], progress=False)
-            m = report["metrics"]
-            runs.append({"temperature": temperature, "gamma": gamma, "id": record["id"],
-                         "category": record["category"], "tokens_per_round": m["mean_accepted_length"],
-                         "acceptance_rate": m["acceptance_rate"], "rounds": m["rounds"],
-                         "emitted_tokens": m["emitted_tokens"], "accepted_tokens": m["accepted_tokens"],
-                         "draft_tokens": m["draft_tokens"], "per_position_acceptance": m["per_position_acceptance"],
-                         "tokens": report["results"][0]["tokens"]})
-    return {"config": base.to_dict(), "runs": runs}
-
-
-def dataclass_replace(cfg, **changes):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)
+    target, draft = load_model(TARGET), load_model(DRAFT)
+    drafter = ModelDrafter(draft.config, draft.model.params())
+    chosen = questions(args)
+    prompts = [encode(target.tokenizer, q["turns"][0], raw=False) for q in chosen]
+    runs, positions = [], []
+    for temperature in TEMPERATURES:
+        for gamma in GAMMAS:
+            start = time.perf_counter()
+            out = generate(target, prompts, drafter, gamma=gamma, sampling=SamplingParams(temperature=temperature),
+                           max_new_tokens=args.max_new_tokens, stop_ids=target.tokenizer.stop_ids, seed=args.seed)
+            print(f"temperature {temperature}, gamma {gamma}: {out.metrics.mean_accepted_length:.2f} tokens/round "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            positions.append({"temperature": temperature, "gamma": gamma,
+                              "per_position_acceptance": out.metrics.per_position_acceptance,
+                              "tokens_per_round": out.metrics.mean_accepted_length})
+            runs += [{"temperature": temperature, "gamma": gamma, "id": q["question_id"], "category": q["category"],
+                      **counts, "tokens": tokens} for q, counts, tokens in zip(chosen, out.row_counts, out.tokens)]
+    return {"target": TARGET, "draft": DRAFT, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "runs": runs, "overall": positions}
 
 
 def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
@@ -92,12 +90,11 @@ def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
     header = ["category"] + [f"T={t} g={g}" for t in TEMPERATURES for g in GAMMAS]
     table = markdown_table(header, [[c] + [pooled[t, g, c] for t in TEMPERATURES for g in GAMMAS]
                                     for c in [*categories, "overall"]])
-    position = []
-    for t in TEMPERATURES:
-        rows = [r for r in runs if r["temperature"] == t and r["gamma"] == 4]
-        position.append([t] + [_mean([r["per_position_acceptance"][i] for r in rows]) for i in range(4)])
-    table += "\nacceptance by draft position at gamma 4 (mean over prompts):\n\n" + markdown_table(
-        ["temperature", "draft 1", "draft 2", "draft 3", "draft 4"], position)
+    position = [[o["temperature"], o["gamma"], *o["per_position_acceptance"]] for o in payload["overall"]]
+    width = max(len(row) for row in position)
+    table += "\nacceptance by draft position (all prompts):\n\n" + markdown_table(
+        ["temperature", "gamma"] + [f"draft {i}" for i in range(1, width - 1)],
+        [row + ["-"] * (width - len(row)) for row in position])
     plt = pyplot()
     fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(13, 4), sharey=True)
     for ax, t in zip(axes, TEMPERATURES):
@@ -109,11 +106,6 @@ def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
     fig.savefig(out / "acceptance.png", dpi=120)
     plt.close(fig)
     return table
-
-
-def _mean(values):
-    values = [v for v in values if v == v]  # NaN: the position was never proposed
-    return sum(values) / len(values) if values else float("nan")
 
 
 def run_bench(args, peer: bool) -> dict:

@@ -138,6 +138,9 @@ def test_row_of_ragged_batch_equals_solo_run_greedy(row):
     )
     assert solo.tokens[0] == batch.tokens[row]
     assert solo.stop_reasons[0] == batch.stop_reasons[row]
+    assert solo.row_counts[0] == batch.row_counts[row]  # its rounds, drafts and acceptances too
+    assert sum(c["emitted_tokens"] for c in batch.row_counts) == batch.metrics.emitted_tokens
+    assert sum(c["rounds"] for c in batch.row_counts) == batch.metrics.rounds
 
 
 def test_row_of_ragged_batch_equals_solo_run_sampled():

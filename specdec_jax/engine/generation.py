@@ -123,4 +123,7 @@ def generate(
         decode_s=decode,
         target_top=top,
         policy=run.spec.policy,
+        row_counts=[{"rounds": int(counters.rounds[b]), "draft_tokens": int(counters.drafted[b]),
+                     "accepted_tokens": int(counters.accepted[b]), "emitted_tokens": int(counters.emitted[b])}
+                    for b in range(num_rows)],
     )

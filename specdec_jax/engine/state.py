@@ -115,3 +115,6 @@ class GenerationResult:
     # no filters) that each of its n emitted tokens was chosen under
     target_top: list[tuple[np.ndarray, np.ndarray]] | None = None
     policy: ShapePolicy | None = None  # the shape policy the run decided with (gamma "auto"), else None
+    # per prompt: {"rounds", "draft_tokens", "accepted_tokens", "emitted_tokens"} of that row alone (its tokens per
+    # round is emitted / rounds; rows are independent, so a batch gives each row's solo counts)
+    row_counts: list[dict[str, int]] | None = None
