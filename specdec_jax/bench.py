@@ -22,7 +22,7 @@ the nodes verified per round.
 
 With `--gamma auto` (the default) the engine picks each round's shape
 (`engine.shape`); the report's width histogram (`width_rounds`, one count per
-verify width 1, 2, 3, 5) says which shapes it chose.
+verify width 1 to 5) says which shapes it chose.
 
 Each term is timed the way the loop runs it: the jitted piece donates its
 caches (or the whole state), which are fed back from call to call, so no

@@ -111,7 +111,7 @@ def test_auto_cost_model_charges_each_width_its_own_drafting(tmp_path, monkeypat
     monkeypatch.setattr(engine.calibration, "measure_costs", measured_again)
     cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
     costs = bench_module.cost_model(H.target(), H.ngram(), "auto", [H.RAGGED[2]], 64, cfg)
-    assert costs["verify_widths"] == [1, 2, 3, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 4
+    assert costs["verify_widths"] == [1, 2, 3, 4, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 5
     assert costs["T1"] == costs["T_by_width"][0] and all(t > 0 for t in costs["T_by_width"])
     assert costs["Tv"] == costs["T_by_width"][-1] and costs["Td"] == pytest.approx(costs["D_by_width"][-1] / 4)
 

@@ -318,8 +318,8 @@ def test_gamma_auto_is_the_default_and_reports_its_widths(tmp_path, capsys, monk
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the calibration is cached there
     assert RunConfig().gamma == "auto"
     report, captured = generate_json(tmp_path, capsys, "--gamma", "auto", "--prompt", "abcabcabc")
-    assert report["config"]["gamma"] == "auto" and "calibrating shapes [0, 1, 2, 4]" in captured.out
-    assert len(report["metrics"]["width_rounds"]) == 4  # verify widths 1, 2, 3, 5
+    assert report["config"]["gamma"] == "auto" and "calibrating shapes [0, 1, 2, 3, 4]" in captured.out
+    assert len(report["metrics"]["width_rounds"]) == 5  # verify widths 1, 2, 3, 4, 5
 
 
 def test_bad_yaml_value_names_file(tmp_path, capsys):

@@ -150,7 +150,7 @@ def test_two_processes_match_one(tmp_path, capsys):
     reports = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("single", "process0", "process1")]
     assert "calibrating shapes" in logs[0][0] and "calibrating shapes" in logs[1][0]
     assert reports[1]["shape_policies"] == reports[2]["shape_policies"]
-    assert reports[1]["shape_policies"][0]["gammas"] == [0, 1, 2, 4]
+    assert reports[1]["shape_policies"][0]["gammas"] == [0, 1, 2, 3, 4]
     tokens = [[r["tokens"] for r in report["results"]] for report in reports]
     assert tokens[0] == tokens[1] == tokens[2]
     assert all(len(t) == 8 or t[-1] == 257 for t in tokens[0])

@@ -199,14 +199,15 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
 
     def fake(target, drafter, batch, capacity, gammas, tree=False):
         calls.append((batch, capacity))
-        return {"T1": 0.01, "verify_s": [0.01, 0.012, 0.014, 0.02], "draft_s": [0.0, 0.001, 0.002, 0.004],
-                "gammas": list(gammas)}
+        assert tuple(gammas) == engine.AUTO_GAMMAS == (0, 1, 2, 3, 4)
+        return {"T1": 0.01, "verify_s": [0.01, 0.012, 0.014, 0.016, 0.02],
+                "draft_s": [0.0, 0.001, 0.002, 0.003, 0.004], "gammas": list(gammas)}
 
     monkeypatch.setattr(calibration, "measure_costs", fake)
     first = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
     again = calibration.shape_policy(H.target(), H.ngram(), 4, 128)
     assert calls == [(4, 128)] and first == again
-    assert first.verify_cost == pytest.approx((1.0, 1.2, 1.4, 2.0)) and first.draft_cost[-1] == pytest.approx(0.4)
+    assert first.verify_cost == pytest.approx((1.0, 1.2, 1.4, 1.6, 2.0)) and first.draft_cost[-1] == pytest.approx(0.4)
     calibration.shape_policy(H.target(), H.ngram(), 8, 128)  # another batch: measured apart
     calibration.shape_policy(H.target(), H.ngram(), 4, 192)  # another capacity (a pass reads all of it): apart
     calibration.shape_policy(H.target(), H.ngram(), 4, 128, refresh=True)
