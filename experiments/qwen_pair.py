@@ -4,18 +4,21 @@ Makes the entries "How many tokens per round does Qwen2.5-Coder-0.5B give its 1.
 "Does the same-family pair pay in wall-clock time on this CPU?" of experiments/README.md; writes to
 experiments/results/qwen_pair (`--out`):
 
-    python experiments/qwen_pair.py acceptance   # gamma 2, 3, 4; greedy and temperature 0.7; per category
     python experiments/qwen_pair.py speed        # --gamma auto against plain decoding, side by side (bench)
-    python experiments/qwen_pair.py peer         # transformers greedy and assisted generation beside ours
+    python experiments/qwen_pair.py acceptance   # tokens per round at gamma 2, 3, 4 per category (after speed)
+    python experiments/qwen_pair.py peer         # transformers greedy and assisted generation (after speed)
     python experiments/qwen_pair.py tables       # redraws tables and figures from the saved JSON
 
 Prompts: the held-out split (the 5 highest question ids of each category, never trained on), the
-first `--per-category` of each category plus `--extra-coding` more coding questions; batch 1, 128
-new tokens, float32. `acceptance` runs speculative decoding only, all prompts as one ragged batch per
-setting (tokens per round and acceptance by draft position are deterministic for a seed and the same on
-any hardware, and a row's counts are those of its solo run); `speed` and `peer`
-run `specdec_jax.bench` (plain and speculative decoding alternate on each prompt; decode-phase
-medians).
+first `--per-category` of each category plus `--extra-coding` more coding questions, of at most
+`--max-prompt-tokens` tokens under the chat template (each prompt bucket is another KV capacity to
+calibrate and compile for); batch 1, 128 new tokens, float32. `speed` runs `specdec_jax.bench` (plain
+and speculative decoding alternate on each prompt; decode-phase medians). `acceptance` replays greedy
+speculation at each gamma from bench's plain greedy outputs and one teacher-forced pass of the draft
+(exact for greedy; checked against a measured gamma 3 run), and measures temperature 0.7 at gamma 3
+(tokens per round is deterministic for a seed and the same on any hardware). `peer` times
+transformers (greedy, and assisted generation with the same 0.5B) on the coding prompts of `speed`,
+in a process of its own, the same way bench times it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import json
 import pathlib
 import sys
 
+import numpy as np
+
 from common import RESULTS, category_bars, markdown_table, prompts_file, pyplot, recipe_questions, write_json
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -32,75 +37,147 @@ GAMMAS = (2, 3, 4)
 TEMPERATURES = (0.0, 0.7)
 
 
-def questions(args) -> list[dict]:
-    chosen = recipe_questions("heldout", per_category=args.per_category)
+def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
+    """The first `--per-category` held-out questions of each category and `--extra-coding` more coding ones,
+    optionally only those of at most `max_prompt_tokens` tokens under the chat template."""
+    tokenizer = qwen_tokenizer() if max_prompt_tokens else None
+    pick = lambda **kw: recipe_questions("heldout", max_prompt_tokens=max_prompt_tokens,  # noqa: E731
+                                         tokenizer=tokenizer, **kw)
+    chosen = pick(per_category=args.per_category)
     if args.extra_coding:
-        coding = recipe_questions("heldout", categories=["coding"])
         have = {q["question_id"] for q in chosen}
-        chosen += [q for q in coding if q["question_id"] not in have][: args.extra_coding]
+        chosen += [q for q in pick(categories=["coding"]) if q["question_id"] not in have][: args.extra_coding]
     return chosen
 
 
+def qwen_tokenizer():
+    """The pair's tokenizer from the GGUF metadata alone (no weights loaded)."""
+    from gguf import GGUFReader
+
+    from specdec_jax.models.fetch import model_gguf
+    from specdec_jax.models.tokenizer import BPETokenizer
+
+    reader = GGUFReader(model_gguf(DRAFT))
+    return BPETokenizer.from_gguf_metadata({name: field.contents() for name, field in reader.fields.items()
+                                            if name.startswith("tokenizer.")})
+
+
+def replay_greedy(matches: list[bool], gamma: int) -> tuple[int, list[int], list[int]]:
+    """Greedy speculation replayed along the target's greedy output: ``matches[i]`` says whether the draft's
+    greedy token equals output token i given the output before it. A round accepts the drafts up to the first
+    mismatch (at most gamma) and emits one more token. Returns (rounds, proposed per position, accepted per
+    position). Exact for greedy decoding: a round's drafts are conditioned on the committed prefix, which is the
+    target's own output, and a draft after a match is conditioned on that same output."""
+    i, rounds, proposed, accepted = 0, 0, [0] * gamma, [0] * gamma
+    while i < len(matches):
+        k = 0
+        while k < gamma and i + k < len(matches) and matches[i + k]:
+            k += 1
+        for j in range(gamma):
+            proposed[j] += 1
+            accepted[j] += j < k
+        i += k + 1
+        rounds += 1
+    return rounds, proposed, accepted
+
+
 def run_acceptance(args) -> dict:
-    """{"runs": [{"temperature", "gamma", "id", "category", "rounds", "emitted_tokens", ...}]}: one ragged batch
-    of every prompt per (temperature, gamma); each row's counts are its solo run's (rows are independent)."""
+    """Tokens per round and acceptance by draft position at each of GAMMAS on the prompts of speed.json.
+
+    Greedy: replayed (`replay_greedy`) from bench's plain greedy outputs and one teacher-forced pass of the
+    draft over each prompt and output; checked against a measured gamma 3 run. Temperature 0.7: measured,
+    gamma 3 (the prompts as one ragged batch; each row's counts are its solo run's)."""
     import time
+
+    import jax
+    import jax.numpy as jnp
 
     from specdec_jax.drafters import ModelDrafter
     from specdec_jax.engine import generate
     from specdec_jax.models import load_model
-    from specdec_jax.runner import encode
+    from specdec_jax.models.llama import forward
     from specdec_jax.sampling import SamplingParams
 
+    speed = json.loads((args.out / "speed.json").read_text())
+    rows = [(i, c, p, o) for r in speed["batches"]
+            for i, c, p, o in zip(r["ids"], r["categories"], r["prompt_ids"], r["plain_outputs"])]
+    draft = load_model(DRAFT)
+    width = max(len(p) + len(o) for _, _, p, o in rows)
+    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
+                                                             draft.config.init_cache(1, width))[0], -1))
+    replays = []
+    for qid, category, prompt, output in rows:
+        seq = np.zeros((1, width), np.int32)
+        seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
+        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
+        matches = [bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)]
+        for gamma in GAMMAS:
+            rounds, proposed, accepted = replay_greedy(matches, gamma)
+            replays.append({"temperature": 0.0, "gamma": gamma, "id": qid, "category": category, "rounds": rounds,
+                            "emitted_tokens": len(output), "proposed": proposed, "accepted": accepted,
+                            "agreement": sum(matches) / len(matches), "how": "replayed"})
+    del draft
     target, draft = load_model(TARGET), load_model(DRAFT)
     drafter = ModelDrafter(draft.config, draft.model.params())
-    chosen = questions(args)
-    prompts = [encode(target.tokenizer, q["turns"][0], raw=False) for q in chosen]
-    runs, positions = [], []
+    measured = []
     for temperature in TEMPERATURES:
-        for gamma in GAMMAS:
-            start = time.perf_counter()
-            out = generate(target, prompts, drafter, gamma=gamma, sampling=SamplingParams(temperature=temperature),
-                           max_new_tokens=args.max_new_tokens, stop_ids=target.tokenizer.stop_ids, seed=args.seed)
-            print(f"temperature {temperature}, gamma {gamma}: {out.metrics.mean_accepted_length:.2f} tokens/round "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
-            positions.append({"temperature": temperature, "gamma": gamma,
-                              "per_position_acceptance": out.metrics.per_position_acceptance,
-                              "tokens_per_round": out.metrics.mean_accepted_length})
-            runs += [{"temperature": temperature, "gamma": gamma, "id": q["question_id"], "category": q["category"],
-                      **counts, "tokens": tokens} for q, counts, tokens in zip(chosen, out.row_counts, out.tokens)]
-    return {"target": TARGET, "draft": DRAFT, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-            "runs": runs, "overall": positions}
+        start = time.perf_counter()
+        out = generate(target, [p for _, _, p, _ in rows], drafter, gamma=3,
+                       sampling=SamplingParams(temperature=temperature), max_new_tokens=args.max_new_tokens,
+                       stop_ids=target.tokenizer.stop_ids, seed=args.seed)
+        print(f"measured, temperature {temperature}, gamma 3: {out.metrics.mean_accepted_length:.2f} tokens/round "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        measured += [{"temperature": temperature, "gamma": 3, "id": qid, "category": category, **counts,
+                      "tokens": tokens, "how": "measured"}
+                     for (qid, category, _, _), counts, tokens in zip(rows, out.row_counts, out.tokens)]
+        measured[-1]["per_position_acceptance"] = out.metrics.per_position_acceptance
+    return {"target": TARGET, "draft": DRAFT, "seed": args.seed, "replayed": replays, "measured": measured}
 
 
 def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
-    runs = payload["runs"]
-    categories = list(dict.fromkeys(r["category"] for r in runs))
-    pooled = {}  # (temperature, gamma, category or "overall") -> tokens per round from summed counts
+    """Per category: the draft's greedy agreement, replayed greedy tokens per round at each gamma, measured
+    tokens per round at gamma 3 (greedy: the replay's check; temperature 0.7); acceptance by draft position."""
+    replayed, measured = payload["replayed"], payload["measured"]
+    categories = list(dict.fromkeys(r["category"] for r in replayed))
 
     def rate(rows):
         return sum(r["emitted_tokens"] for r in rows) / max(sum(r["rounds"] for r in rows), 1)
 
-    for t in TEMPERATURES:
-        for g in GAMMAS:
-            rows = [r for r in runs if r["temperature"] == t and r["gamma"] == g]
-            pooled[t, g, "overall"] = rate(rows)
-            for c in categories:
-                pooled[t, g, c] = rate([r for r in rows if r["category"] == c])
-    header = ["category"] + [f"T={t} g={g}" for t in TEMPERATURES for g in GAMMAS]
-    table = markdown_table(header, [[c] + [pooled[t, g, c] for t in TEMPERATURES for g in GAMMAS]
-                                    for c in [*categories, "overall"]])
-    position = [[o["temperature"], o["gamma"], *o["per_position_acceptance"]] for o in payload["overall"]]
-    width = max(len(row) for row in position)
-    table += "\nacceptance by draft position (all prompts):\n\n" + markdown_table(
-        ["temperature", "gamma"] + [f"draft {i}" for i in range(1, width - 1)],
-        [row + ["-"] * (width - len(row)) for row in position])
+    def pick(rows, category, **keys):
+        return [r for r in rows if (category == "overall" or r["category"] == category)
+                and all(r[k] == v for k, v in keys.items())]
+
+    table_rows, series = [], {f"greedy, gamma {g}": [] for g in GAMMAS}
+    series["temperature 0.7, gamma 3 (measured)"] = []
+    for c in [*categories, "overall"]:
+        agreement = pick(replayed, c, gamma=GAMMAS[0])
+        agree = sum(r["agreement"] * r["emitted_tokens"] for r in agreement) / sum(r["emitted_tokens"] for r in agreement)
+        greedy = [rate(pick(replayed, c, gamma=g)) for g in GAMMAS]
+        sampled = rate(pick(measured, c, temperature=0.7))
+        table_rows.append([c, len(agreement), agree, *greedy, rate(pick(measured, c, temperature=0.0)), sampled])
+        for g, value in zip(GAMMAS, greedy):
+            series[f"greedy, gamma {g}"].append(value)
+        series["temperature 0.7, gamma 3 (measured)"].append(sampled)
+    table = markdown_table(["category", "prompts", "draft agreement (greedy)"]
+                           + [f"tok/round g={g} (greedy, replayed)" for g in GAMMAS]
+                           + ["g=3 greedy measured", "g=3 T=0.7 measured"], table_rows)
+    positions = []
+    for g in GAMMAS:
+        rows = pick(replayed, "overall", gamma=g)
+        proposed = np.sum([r["proposed"] for r in rows], axis=0)
+        accepted = np.sum([r["accepted"] for r in rows], axis=0)
+        positions.append([f"greedy g={g} (replayed)", *[a / p for a, p in zip(accepted, proposed)]]
+                         + ["-"] * (max(GAMMAS) - g))
+    for r in measured:
+        if "per_position_acceptance" in r:
+            positions.append([f"T={r['temperature']} g=3 (measured)", *r["per_position_acceptance"],
+                              *["-"] * (max(GAMMAS) - 3)])
+    table += "\nacceptance by draft position (accepted there / rounds that proposed it):\n\n" + markdown_table(
+        ["run"] + [f"draft {i}" for i in range(1, max(GAMMAS) + 1)], positions)
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(TEMPERATURES), figsize=(13, 4), sharey=True)
-    for ax, t in zip(axes, TEMPERATURES):
-        category_bars(ax, [*categories, "overall"], {f"gamma {g}": [pooled[t, g, c] for c in [*categories, "overall"]]
-                                                     for g in GAMMAS},
-                      ylabel="tokens per round", title=f"Qwen2.5-Coder 0.5B -> 1.5B, temperature {t}")
+    fig, ax = plt.subplots(figsize=(12, 4))
+    category_bars(ax, [*categories, "overall"], series, ylabel="tokens per round",
+                  title="Qwen2.5-Coder-0.5B drafting for 1.5B: tokens per round (held-out Spec-Bench, 128 new tokens)")
     (out / "acceptance_table.md").write_text(table)
     fig.tight_layout()
     fig.savefig(out / "acceptance.png", dpi=120)
@@ -108,15 +185,56 @@ def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
     return table
 
 
-def run_bench(args, peer: bool) -> dict:
+def run_speed(args) -> dict:
+    """`specdec_jax.bench` at --gamma auto on the held-out questions of at most `--max-prompt-tokens` tokens (each
+    prompt bucket is another KV capacity to calibrate and compile for: longer prompts would add several minutes)."""
     from specdec_jax.bench import bench
     from specdec_jax.config import RunConfig
 
-    chosen = questions(args) if not peer else recipe_questions("heldout", categories=["coding"])[: args.peer_prompts]
-    with prompts_file(chosen) as path:
-        cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto" if not peer else 4,
+    with prompts_file(questions(args, args.max_prompt_tokens)) as path:
+        cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto",
                         max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
-        return bench(cfg, repeats=args.repeats, peer="hf" if peer else None)
+        return bench(cfg, repeats=args.repeats)
+
+
+def run_peer(args) -> dict:
+    """transformers on the coding prompts of speed.json, timed as `bench --peer hf` times it (greedy, and assisted
+    generation with the 0.5B), in a process of its own: beside our two float32 models, transformers' two would
+    not fit in this machine's 24 GiB. {"rows": [{"id", "greedy": {...}, "assisted": {...}}]}."""
+    from specdec_jax.peer_hf import HFPeer
+
+    speed = json.loads((args.out / "speed.json").read_text())
+    ids = [i for r in speed["batches"] for i, c in zip(r["ids"], r["categories"]) if c == "coding"][: args.peer_prompts]
+    tokenizer = qwen_tokenizer()
+    by_id = {q["question_id"]: q for q in recipe_questions("heldout", categories=["coding"])}
+    hf = HFPeer(TARGET, DRAFT)
+    rows = []
+    for qid in ids:
+        from specdec_jax.runner import encode
+
+        prompt = encode(tokenizer, by_id[qid]["turns"][0], raw=False)
+        row = {"id": qid}
+        for mode, assisted in (("greedy", False), ("assisted", True)):
+            result = hf.time_decode(prompt, args.max_new_tokens, tokenizer.eos_id, 0, args.repeats, assisted)
+            row[mode] = {"decode_tokens": len(result["tokens"]) - 1, "decode_s": result["decode_s"],
+                         "tokens_per_s": (len(result["tokens"]) - 1) / result["decode_s"], "tokens": result["tokens"]}
+            print(qid, mode, f"{row[mode]['tokens_per_s']:.2f} tok/s", flush=True)
+        rows.append(row)
+    return {"rows": rows}
+
+
+def peer_table(speed: dict, peer: dict, out: pathlib.Path) -> str:
+    """Per coding prompt: our plain and speculative decode rates (speed.json) beside transformers' (peer.json)."""
+    ours = {i: r for r in speed["batches"] for i in r["ids"]}
+    rows = []
+    for r in peer["rows"]:
+        o = ours[r["id"]]
+        rows.append([r["id"], o["plain_tokens_per_s"], o["spec_tokens_per_s"], r["greedy"]["tokens_per_s"],
+                     r["assisted"]["tokens_per_s"], o["spec_tokens_per_s"] / r["assisted"]["tokens_per_s"]])
+    table = markdown_table(["question", "ours plain tok/s", "ours spec (auto) tok/s", "hf greedy tok/s",
+                            "hf assisted tok/s", "ours spec / hf assisted"], rows)
+    (out / "peer_table.md").write_text(table)
+    return table
 
 
 def main(argv=None) -> int:
@@ -126,6 +244,7 @@ def main(argv=None) -> int:
     parser.add_argument("--extra-coding", type=int, default=3, help="more held-out coding questions")
     parser.add_argument("--peer-prompts", type=int, default=3, help="coding questions timed beside transformers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=128, help="speed: longer prompts are left out")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "qwen_pair")
@@ -133,15 +252,20 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "acceptance":
         write_json(args.out / "acceptance.json", run_acceptance(args))
-    elif args.stage in ("speed", "peer"):
+    elif args.stage == "speed":
         from specdec_jax.bench import format_report
 
-        report = run_bench(args, peer=args.stage == "peer")
-        write_json(args.out / f"{args.stage}.json", report)
-        (args.out / f"{args.stage}_table.md").write_text(format_report(report) + "\n")
+        report = run_speed(args)
+        write_json(args.out / "speed.json", report)
+        (args.out / "speed_table.md").write_text(format_report(report) + "\n")
         print(format_report(report))
+    elif args.stage == "peer":
+        write_json(args.out / "peer.json", run_peer(args))
     if (args.out / "acceptance.json").is_file():
         print(acceptance_tables(json.loads((args.out / "acceptance.json").read_text()), args.out))
+    if (args.out / "peer.json").is_file() and (args.out / "speed.json").is_file():
+        print(peer_table(json.loads((args.out / "speed.json").read_text()),
+                         json.loads((args.out / "peer.json").read_text()), args.out))
     return 0
 
 

@@ -163,6 +163,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
             if cfg.temperature == 0 else (None, [None] * len(chunk))
         )
         row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
+        row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens)  # for replays
         if hf is not None:
             hf_eos = None if cfg.ignore_eos else tok.eos_id  # the peer stops at its own EOS only, not at --stop-id
             row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats, assisted)

@@ -41,14 +41,16 @@ BUILTIN_PROMPTS = (
     {"id": "explain", "prompt": "Explain why the sky is blue to a ten-year-old."},
 )
 
-# The demo of the Qwen2.5-Coder pair: two coding prompts and a general one.
+# The demo of the Qwen2.5-Coder pair: two coding prompts and a general one, each under 64 tokens in the chat
+# template (one prompt bucket: one KV capacity to calibrate and compile for).
 PAIR_PROMPTS = (
     {
-        "id": "write-code",
+        "id": "palindrome",
         "prompt": "Write a Python function that checks whether a string is a palindrome, ignoring case, spaces and "
         "punctuation. Include a docstring and two doctest examples.",
     },
-    BUILTIN_PROMPTS[1],  # fix-code
+    {"id": "merge-lists", "prompt": "Write a Python function that merges two sorted lists into one sorted list, "
+     "with a docstring."},
     BUILTIN_PROMPTS[3],  # explain
 )
 
