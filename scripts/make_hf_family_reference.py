@@ -9,9 +9,9 @@ transformers' config from ``FAMILIES``, the model with ``AutoModelForCausalLM.fr
 and records the logits of every position of ``sequences(V)`` (``[2, 12]`` tokens, one pass,
 no padding). Writes:
 
-- ``tests/fixtures/hf_families.json``: versions, the token ids, and per family the config dict
-  (``config.to_dict()``, as ``save_pretrained`` writes it) and the weights' checksum;
-- ``tests/fixtures/hf_families.npz``: per family ``f32[2, 12, V]`` logits (computed in float64).
+``tests/fixtures/hf_families.json``: versions, the token ids, and per family the config dict
+(``config.to_dict()``, as ``save_pretrained`` writes it), the weights' checksum and the ``[2, 12, V]``
+logits (computed in float64, rounded to 6 decimals).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pathlib
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "tests" / "fixtures" / "hf_families"
+OUT = ROOT / "tests" / "fixtures" / "hf_families.json"
 
 
 def load_weights_module():
@@ -41,11 +41,11 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=OUT, help="path without suffix (.json and .npz added)")
+    parser.add_argument("--out", type=pathlib.Path, default=OUT, help="the JSON fixture to write")
     args = parser.parse_args()
     fw = load_weights_module()
     torch.manual_seed(0)  # from_config's random init is overwritten by the strict load below
-    families, logits = {}, {}
+    families = {}
     tokens = None
     for model_type, kwargs in fw.FAMILIES.items():
         config = AutoConfig.for_model(model_type, **kwargs)
@@ -70,17 +70,15 @@ def main() -> None:
             raise SystemExit("the families must share the token sequences (same vocab_size)")
         with torch.no_grad():
             out = model(torch.from_numpy(ids.astype(np.int64)), use_cache=False).logits  # [2, 12, V] float64
-        logits[model_type] = out.numpy().astype(np.float32)
         families[model_type] = {"config": config_dict, "weights_sha256": fw.checksum(weights),
-                                "dtype": str(next(model.parameters()).dtype)}
+                                "dtype": str(next(model.parameters()).dtype),
+                                "logits": np.round(out.numpy(), 6).tolist()}
         print(model_type, "logits", tuple(out.shape), "std", float(out.std()), "max |logit|", float(out.abs().max()))
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "attn_implementation": "eager",
-            "compute_dtype": "float64", "stored_dtype": "float32", "seed": fw.SEED}
-    json_path, npz_path = args.out.with_suffix(".json"), args.out.with_suffix(".npz")
-    json_path.write_text(json.dumps({"meta": meta, "tokens": tokens.tolist(), "families": families}, indent=1) + "\n")
-    np.savez_compressed(npz_path, **logits)
-    for path in (json_path, npz_path):
-        print(f"wrote {path} ({path.stat().st_size // 1024} KiB)")
+            "compute_dtype": "float64", "stored_dtype": "float32, rounded to 6 decimals in JSON", "seed": fw.SEED}
+    args.out.write_text(json.dumps({"meta": meta, "tokens": tokens.tolist(), "families": families},
+                                   separators=(",", ":")) + "\n")
+    print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KiB)")
 
 
 if __name__ == "__main__":

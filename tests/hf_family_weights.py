@@ -1,7 +1,7 @@
 """Tiny decoders of each Hugging Face family, with weights regenerated from a fixed seed (never committed).
 
 Shared by ``scripts/make_hf_family_reference.py``, which runs them through transformers and
-records the logits in ``tests/fixtures/hf_families.{json,npz}``, and ``tests/test_hf_families.py``,
+records the logits in ``tests/fixtures/hf_families.json``, and ``tests/test_hf_families.py``,
 which runs the same weights through this project's loader and decoder. Neither imports torch here.
 
 ``FAMILIES`` holds, per ``model_type``, the keyword arguments of transformers' config class

@@ -28,8 +28,7 @@ from specdec_jax.models.loading import hf_arrays, hf_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FIXTURE = json.loads((FIXTURES / "hf_families.json").read_text())
-with np.load(FIXTURES / "hf_families.npz") as _npz:
-    LOGITS = {name: _npz[name] for name in _npz.files}  # f32[2, 12, V] per family
+LOGITS = {name: np.asarray(f["logits"], np.float32) for name, f in FIXTURE["families"].items()}  # [2, 12, V]
 TOKENS = np.asarray(FIXTURE["tokens"], np.int32)  # [2, 12]
 FAMILIES = list(FIXTURE["families"])
 TOLERANCE = 1e-4  # absolute, on float32 logits of std ~2
