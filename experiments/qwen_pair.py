@@ -202,6 +202,7 @@ def run_peer(args) -> dict:
     generation with the 0.5B), in a process of its own: beside our two float32 models, transformers' two would
     not fit in this machine's 24 GiB. {"rows": [{"id", "greedy": {...}, "assisted": {...}}]}."""
     from specdec_jax.peer_hf import HFPeer
+    from specdec_jax.runner import encode
 
     speed = json.loads((args.out / "speed.json").read_text())
     ids = [i for r in speed["batches"] for i, c in zip(r["ids"], r["categories"]) if c == "coding"][: args.peer_prompts]
@@ -210,8 +211,6 @@ def run_peer(args) -> dict:
     hf = HFPeer(TARGET, DRAFT)
     rows = []
     for qid in ids:
-        from specdec_jax.runner import encode
-
         prompt = encode(tokenizer, by_id[qid]["turns"][0], raw=False)
         row = {"id": qid}
         for mode, assisted in (("greedy", False), ("assisted", True)):
