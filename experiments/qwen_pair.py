@@ -7,6 +7,7 @@ experiments/results/qwen_pair (`--out`):
     python experiments/qwen_pair.py speed        # --gamma auto against plain decoding, side by side (bench)
     python experiments/qwen_pair.py acceptance   # tokens per round at gamma 2, 3, 4 per category (after speed)
     python experiments/qwen_pair.py peer         # transformers greedy and assisted generation (after speed)
+    python experiments/qwen_pair.py variants     # the coding prompts at gamma 3: float32, --draft-vocab, bfloat16
     python experiments/qwen_pair.py tables       # redraws tables and figures from the saved JSON
 
 Prompts: the held-out split (the 5 highest question ids of each category, never trained on), the
@@ -197,6 +198,42 @@ def run_speed(args) -> dict:
         return bench(cfg, repeats=args.repeats)
 
 
+VARIANTS = ({"dtype": "float32", "draft_vocab": 0}, {"dtype": "float32", "draft_vocab": 32768},
+            {"dtype": "bfloat16", "draft_vocab": 32768})
+
+
+def run_variants(args) -> dict:
+    """`specdec_jax.bench` at a fixed gamma 3 on the coding prompts of `speed`, once per setting of VARIANTS (the
+    weights' dtype, the draft's output vocabulary): what each does to the draft step, the verify pass and the
+    speedup. {"variants": [{"dtype", "draft_vocab", "report"}]}."""
+    from specdec_jax.bench import bench
+    from specdec_jax.config import RunConfig
+    from specdec_jax.runner import drop_compiled_programs
+
+    coding = [q for q in questions(args, args.max_prompt_tokens) if q["category"] == "coding"]
+    out = []
+    with prompts_file(coding) as path:
+        for variant in VARIANTS:
+            cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=3, **variant,
+                            max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
+            out.append({**variant, "report": bench(cfg, repeats=args.repeats)})
+            drop_compiled_programs()
+            print(variants_table(out), flush=True)
+    return {"variants": out}
+
+
+def variants_table(variants: list[dict]) -> str:
+    """One row per setting: plain and speculative rates, speedup, tokens per round, T1, Tv, Td."""
+    rows = []
+    for v in variants:
+        a = v["report"]["overall"]
+        rows.append([v["dtype"], v["draft_vocab"] or "all", a["plain_tokens_per_s"], a["spec_tokens_per_s"],
+                     f"{a['speedup']:.2f}x", a["tokens_per_round"], a["T1_ms"], a["Tv_ms"], a["Td_ms"],
+                     f"{a['predicted_speedup']:.2f}x"])
+    return markdown_table(["dtype", "draft vocab", "plain tok/s", "spec tok/s", "speedup", "tok/round", "T1 ms",
+                           "Tv ms (4 tokens)", "Td ms", "predicted"], rows)
+
+
 def run_peer(args) -> dict:
     """transformers on the coding prompts of speed.json, timed as `bench --peer hf` times it (greedy, and assisted
     generation with the 0.5B), in a process of its own: beside our two float32 models, transformers' two would
@@ -238,7 +275,7 @@ def peer_table(speed: dict, peer: dict, out: pathlib.Path) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "tables"])
+    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "variants", "tables"])
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--extra-coding", type=int, default=3, help="more held-out coding questions")
     parser.add_argument("--peer-prompts", type=int, default=3, help="coding questions timed beside transformers")
@@ -260,6 +297,12 @@ def main(argv=None) -> int:
         print(format_report(report))
     elif args.stage == "peer":
         write_json(args.out / "peer.json", run_peer(args))
+    elif args.stage == "variants":
+        write_json(args.out / "variants.json", run_variants(args))
+    if (args.out / "variants.json").is_file():
+        table = variants_table(json.loads((args.out / "variants.json").read_text())["variants"])
+        (args.out / "variants_table.md").write_text(table + "\n")
+        print(table)
     if (args.out / "acceptance.json").is_file():
         print(acceptance_tables(json.loads((args.out / "acceptance.json").read_text()), args.out))
     if (args.out / "peer.json").is_file() and (args.out / "speed.json").is_file():

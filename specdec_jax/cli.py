@@ -2,20 +2,21 @@
 
 Errors in user input print one line on stderr and exit with code 2 (no traceback).
 A failure of the jax runtime (out of memory, a device error) is not the user's:
-it propagates with its traceback (exit code 1).
+it propagates with its traceback (exit code 1). Ctrl-C or SIGTERM stops any
+command within seconds with one line saying what was kept, exit code 130 or 143
+(`specdec_jax.interrupts`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 
 import jax
 
-from specdec_jax import theory
+from specdec_jax import files, interrupts, theory
 from specdec_jax.config import DRAFTERS, TREE_FIELDS, RunConfig, load_yaml, resolve
 
 FLAG_HELP = {
@@ -106,6 +107,7 @@ def _generate(args) -> int:
     from specdec_jax.runner import run, stats_line
     from specdec_jax.sharding import initialize_distributed
 
+    interrupts.keep(lambda: "nothing (the report is written when every prompt is done)")
     distributed = initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     try:
         report = run(config_from_args(args))
@@ -137,7 +139,9 @@ def _bench(args) -> int:
     from specdec_jax.bench import bench, format_report
 
     if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.per_category is not None and args.per_category < 1:
+        raise ValueError(f"--per-category must be >= 1 prompts, got {args.per_category}")
     report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer)
     print(format_report(report))
     if args.json:
@@ -146,8 +150,10 @@ def _bench(args) -> int:
 
 
 def _sweep(args) -> int:
-    from specdec_jax.sweep import sweep
+    from specdec_jax.sweep import finished_points, sweep
 
+    interrupts.keep(lambda: f"{finished_points(args.out)} finished points in {args.out / 'results.jsonl'} (run the "
+                    "same command again to resume)")
     records = sweep(args.file, args.out)
     print((args.out / "table.md").read_text(), end="")
     print(f"{len(records)} points in {args.out / 'results.jsonl'}; plots: "
@@ -157,8 +163,9 @@ def _sweep(args) -> int:
 
 def _train_draft(args) -> int:
     from specdec_jax.distill.config import FIELDS, train_config
-    from specdec_jax.distill.train import train_draft
+    from specdec_jax.distill.train import latest_checkpoint, train_draft
 
+    interrupts.keep(lambda: latest_checkpoint(args.out))
     tc = train_config(args.config, **{name: getattr(args, name) for name in FIELDS})
     summary = train_draft(tc, args.out, resume=args.resume)
     print(json.dumps(summary, indent=1))
@@ -193,31 +200,31 @@ def _boolean(text: str) -> bool:
 
 
 
+SIMULATION_LIMIT = 2**27  # tokens drawn by `theory --simulate` (rounds x (gamma + 1)), a few GB of device arrays
+
+
 def _theory(args) -> int:
+    from specdec_jax.rng import seed_key
+
+    if args.simulate < 0:
+        raise ValueError(f"--simulate must be >= 0 rounds, got {args.simulate}")
+    if args.simulate * (args.gamma + 1) > SIMULATION_LIMIT:
+        raise ValueError(f"--simulate {args.simulate} rounds of gamma {args.gamma} draw {args.simulate * (args.gamma + 1):,} "
+                         f"tokens; at most {SIMULATION_LIMIT:,}: fewer rounds or a smaller gamma")
     closed = theory.expected_tokens_per_round(args.alpha, args.gamma)
     print(f"alpha {args.alpha}, gamma {args.gamma}: E[tokens per round] = {closed:.4f} (closed form)")
     if args.simulate:
         import jax
         import numpy as np
 
-        n_emit = theory.simulate_tokens_per_round(jax.random.key(args.seed), args.alpha, gamma=args.gamma, rows=args.simulate)
+        n_emit = theory.simulate_tokens_per_round(seed_key(args.seed), args.alpha, gamma=args.gamma, rows=args.simulate)
         se = theory.tokens_per_round_std(args.alpha, args.gamma) / np.sqrt(args.simulate)
         print(f"simulated over {args.simulate:,} rounds: {float(np.mean(n_emit)):.4f} +- {se:.4f}")
     return 0
 
 
 def write_json(path: pathlib.Path, report: dict) -> None:
-    def clean(x):  # NaN is not JSON
-        if isinstance(x, float) and math.isnan(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean(report), indent=1))
+    files.write_json(path, report)
     print(f"wrote {path}", file=sys.stderr)
 
 
@@ -268,10 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv=None, handle_signals: bool = False) -> int:
+    """Runs one command; ``handle_signals`` (the console script) routes SIGINT and SIGTERM to a clean stop."""
     args = build_parser().parse_args(argv)
+    if handle_signals:
+        interrupts.install(args.command)
     try:
+        check_outputs(args)
         return args.func(args)
+    except KeyboardInterrupt:
+        return interrupts.stopped(args.command)
     except jax.errors.JaxRuntimeError:  # a RuntimeError, but the runtime's, not bad input
         raise
     except (ValueError, RuntimeError) as err:
@@ -279,5 +292,18 @@ def main(argv=None) -> int:
         return 2
 
 
+def check_outputs(args) -> None:
+    """Refuses an output path that cannot be written before any work starts (`files`)."""
+    if getattr(args, "json", None) is not None:
+        files.check_output_file(args.json, "--json")
+    if getattr(args, "out", None) is not None:
+        files.check_output_dir(args.out, "--out")
+
+
+def console() -> int:
+    """The `specdec-jax` script."""
+    return main(handle_signals=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

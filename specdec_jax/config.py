@@ -1,8 +1,9 @@
 """Run settings: one frozen dataclass whose fields are the CLI flags (underscores for dashes).
 
 Precedence: dataclass defaults < YAML file (`--config`) < flags given on the
-command line. Unknown keys and bad values are `ValueError`s that name the file
-and the key.
+command line. Unknown keys, values of the wrong type (`specdec_jax.typed`:
+``raw: "false"`` is not true) and bad values are `ValueError`s that name the
+file and the key.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import yaml
 from specdec_jax.engine.batching import AUTO
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models.llama import DTYPES
+from specdec_jax.rng import SEED_LIMIT
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 from specdec_jax.tree import TreeShape, load_choices
+from specdec_jax.typed import check_fields
 
 DRAFTERS = ("none", "ngram", "draft-model", "oracle", "eagle", "medusa")
 NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
@@ -61,12 +64,14 @@ class RunConfig:
     tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
 
     def __post_init__(self):
+        check_fields(self)  # types first (specdec_jax.typed): raw "false" is not true
         checks = (
             ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
             ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("gamma", self.gamma == AUTO or isinstance(self.gamma, int) and not isinstance(self.gamma, bool)
              and self.gamma >= 0, "an int >= 0 or 'auto'"),
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an int >= 1"),
+            ("max_new_tokens", 1 <= self.max_new_tokens < 2**31 - 2**20, "an int in [1, 2**31 - 2**20)"),
+            ("seed", 0 <= self.seed < SEED_LIMIT, "an int in [0, 2**64)"),
             ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an int >= 1"),
             ("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
             ("ngram_min", isinstance(self.ngram_min, int) and self.ngram_min >= 1, "an int >= 1"),
@@ -82,9 +87,7 @@ class RunConfig:
                              f"not {self.drafter!r}")
         if self.drafter in NEEDS_DRAFT_MODEL and not self.draft_model:
             raise ValueError(f"drafter {self.drafter!r} needs draft_model (--draft-model NAME_OR_PATH)")
-        if not all(isinstance(p, str) for p in self.prompt):
-            raise ValueError(f"prompt must be a list of strings, got {self.prompt!r}")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.stop_id):
+        if not all(i >= 0 for i in self.stop_id):
             raise ValueError(f"stop_id must be token ids (ints >= 0), got {list(self.stop_id)!r}")
         sampling_params(self)
         if self.mesh is not None:
@@ -183,25 +186,32 @@ def load_yaml(path: str | pathlib.Path) -> dict[str, Any]:
 
 
 def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data``'s keys as RunConfig field names (a list for ``prompt`` or ``stop_id`` taken as a tuple);
+    a non-mapping or an unknown key is a ValueError naming ``where``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: must be a mapping of keys to values, got {type(data).__name__} {data!r:.60}")
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
             raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(FIELDS)})")
-        if name == "prompt":  # one string is one prompt, a list is several
-            value = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
-        elif name == "stop_id":  # one id or a list of ids
+        if name in ("prompt", "stop_id"):  # one value, or a list of them
             value = tuple(value) if isinstance(value, list) else (value,)
         out[name] = value
     return out
 
 
 def resolve(file_values: dict[str, Any], flag_values: dict[str, Any], where: str = "config") -> RunConfig:
-    """RunConfig from file values overridden by flags (flags left unset are None and ignored)."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    """RunConfig from file values overridden by flags (flags left unset are None and ignored); an error
+    names ``where`` (the file), or "flags" when the key it is about was given as a flag."""
+    flags = {k: v for k, v in flag_values.items() if v is not None}
     try:
-        return RunConfig(**merged)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
-    except TypeError as err:
-        raise ValueError(f"{where}: {err}") from None
+        return RunConfig(**{**file_values, **flags})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{blame(err, flags, where)}: {err}") from None
+
+
+def blame(err: Exception, flags: dict[str, Any], where: str) -> str:
+    """Where the value an error is about came from: "flags" when the key it starts with was a flag
+    given, else ``where``."""
+    return "flags" if str(err).split(" ", 1)[0] in flags else where

@@ -62,7 +62,12 @@ def load_prompts_file(path: str | os.PathLike) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"prompts file not found: {path}")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text_of_file = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {err.start}); save the file as UTF-8") from None
+    for number, line in enumerate(text_of_file.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -71,3 +71,17 @@ def with_sub_index(keys: jax.Array, index: jax.Array) -> jax.Array:
     folded = jax.vmap(jax.random.fold_in)(flat, idx)
     data = jnp.where((idx > 0)[:, None], jax.random.key_data(folded), jax.random.key_data(flat))
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(flat)).reshape(keys.shape)
+
+
+SEED_LIMIT = 2**64  # seeds are 64-bit: [0, 2**64)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The typed key of a run's seed, any int in [0, 2**64) (else a ValueError): ``jax.random.key(seed)``
+    below 2**32, above it the key of its low 32 bits folded with its high 32, so that 2**32 is not 0
+    (``jax.random.key`` keeps only the low 32 bits without x64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(low)
+    return key if high == 0 else jax.random.fold_in(key, high)

@@ -34,6 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def finite32(x: float) -> bool:
+    """``x`` is finite in float32 (1e39 is finite in Python but inf on device)."""
+    return math.isfinite(x) and abs(x) <= float(np.finfo(np.float32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one row (hashable, so usable as a static argument).
@@ -58,19 +63,19 @@ class SamplingParams:
 
     def __post_init__(self):
         is_int = isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
-        finite_temperature = self.temperature >= 0 and math.isfinite(self.temperature)
+        finite_temperature = self.temperature >= 0 and finite32(self.temperature)
         checks = (
-            ("temperature", finite_temperature, "finite and >= 0"),
+            ("temperature", finite_temperature, "finite in float32 and >= 0"),
             ("top_k", is_int and self.top_k >= 0, "an int >= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             (
                 "repetition_penalty",
-                self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
-                "finite and > 0",
+                self.repetition_penalty > 0 and finite32(self.repetition_penalty),
+                "finite in float32 and > 0",
             ),
-            ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
-            ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
+            ("presence_penalty", finite32(self.presence_penalty), "finite in float32"),
+            ("frequency_penalty", finite32(self.frequency_penalty), "finite in float32"),
         )
         for name, ok, requirement in checks:
             if not ok:

@@ -251,11 +251,16 @@ def to_host(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
+COORDINATOR_TIMEOUT_S = 120  # how long every process waits for all of them to join
+
+
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
+                           process_id: int | None = None, timeout_s: int = COORDINATOR_TIMEOUT_S) -> bool:
     """``jax.distributed.initialize`` from the arguments, else the environment variables
     ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0), ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``. Returns False (and does nothing) when none of them is set.
+    ``JAX_PROCESS_ID``. Returns False (and does nothing) when none of them is set. When not every
+    process has joined within ``timeout_s``, a RuntimeError says so (jax's own wait is 5 minutes,
+    then an abort).
 
     Call it before anything else touches JAX's devices.
     """
@@ -266,7 +271,12 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         process_id = int(os.environ["JAX_PROCESS_ID"])
     if coordinator_address is None and num_processes is None and process_id is None:
         return False
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    try:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, initialization_timeout=timeout_s)
+    except Exception as err:  # noqa: BLE001 - jax raises its runtime's errors; say what to check
+        raise RuntimeError(f"process {process_id} of {num_processes}: not every process joined the coordinator at "
+                           f"{coordinator_address} within {timeout_s} s ({str(err).splitlines()[0][:160]}): start "
+                           "all of them with the same --coordinator-address and --num-processes") from None
     return True
 
 

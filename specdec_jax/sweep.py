@@ -36,6 +36,7 @@ import jax
 from tqdm import tqdm
 
 from specdec_jax.config import RunConfig, check_keys, read_yaml, resolve
+from specdec_jax.files import exclusive, json_safe, write_text_atomic
 
 SCALAR_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s", "wall_s", "emitted_tokens", "rounds",
                   "draft_tokens", "accepted_tokens")
@@ -63,17 +64,27 @@ def load_sweep(path: str | pathlib.Path) -> tuple[list[str], list[RunConfig]]:
 
 
 def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = True) -> list[dict]:
-    """Runs the missing points of the sweep file into `out`; returns every record (old and new)."""
+    """Runs the missing points of the sweep file into `out` (locked while it runs: a second sweep on
+    the same `out` is refused); returns every record (old and new)."""
+    keys, configs = load_sweep(path)
+    with exclusive(out, f"sweep {path}"):
+        return _run_points(path, keys, configs, pathlib.Path(out), progress)
+
+
+def finished_points(out: str | pathlib.Path) -> int:
+    """Points recorded in ``out``/results.jsonl (a cut last line not counted)."""
+    return len(_read_records(pathlib.Path(out) / "results.jsonl"))
+
+
+def _run_points(path, keys: list[str], configs: list[RunConfig], out: pathlib.Path, progress: bool) -> list[dict]:
+    """The body of `sweep`, holding ``out``'s lock."""
     from specdec_jax.models import load_model
     from specdec_jax.runner import drop_compiled_programs, run
 
-    keys, configs = load_sweep(path)
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     records = _read_records(results)
     if results.is_file() and len(records) != sum(1 for line in results.read_text().splitlines() if line.strip()):
-        results.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in records))  # drop the cut line
+        write_text_atomic(results, "".join(json.dumps(json_safe(r)) + "\n" for r in records))  # drop the cut line
     done = {_config_key(r["config"]) for r in records}
     todo = [c for c in configs if _config_key(c.to_dict()) not in done]
     provenance = _provenance()
@@ -94,7 +105,7 @@ def sweep(path: str | pathlib.Path, out: str | pathlib.Path, progress: bool = Tr
             "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         with results.open("a") as f:  # one line per finished point: a killed sweep resumes from here
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+            f.write(json.dumps(json_safe(record)) + "\n")
         records.append(record)
     order = {_config_key(c.to_dict()): i for i, c in enumerate(configs)}
     records = sorted((r for r in records if _config_key(r["config"]) in order), key=lambda r: order[_config_key(r["config"])])

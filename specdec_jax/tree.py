@@ -79,7 +79,14 @@ def load_choices(path: str | pathlib.Path) -> TreeShape:
         raise ValueError(f"cannot read tree choices from {path}: {err}") from None
     if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
         raise ValueError(f"{path} must hold a list of lists of ranks (Medusa's tree format)")
-    return TreeShape.from_choices(choices)
+    for i, choice in enumerate(choices):
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in choice):
+            raise ValueError(f"{path}: choice {i} ({json.dumps(choice)}) must be a list of ranks (ints >= 0), "
+                             "e.g. [0, 1]")
+    try:
+        return TreeShape.from_choices(choices)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def chain_parents(batch: int, nodes: int) -> jax.Array:

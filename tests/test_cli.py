@@ -266,8 +266,8 @@ def test_bad_prompts_file(tmp_path, capsys, content, message):
 @pytest.mark.parametrize("flags, message", [
     pytest.param(["--gamma", "-1"], "gamma must be an int >= 0 or 'auto', got -1", id="gamma"),
     pytest.param(["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5", id="top-p"),
-    pytest.param(["--temperature", "-1"], "temperature must be finite and >= 0", id="temperature"),
-    pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0", id="max-new-tokens"),
+    pytest.param(["--temperature", "-1"], "temperature must be finite in float32 and >= 0", id="temperature"),
+    pytest.param(["--max-new-tokens", "0"], "max_new_tokens must be an int in [1, 2**31 - 2**20), got 0", id="max-new-tokens"),
     pytest.param(["--batch-size", "0"], "batch_size must be an int >= 1, got 0", id="batch-size"),
     pytest.param(["--drafter", "draft-model"], "needs draft_model (--draft-model", id="draft-model"),
     pytest.param(["--dtype", "float16"], "dtype must be one of float32, bfloat16, got 'float16'", id="dtype"),
@@ -290,12 +290,12 @@ def test_out_of_range_flags(capsys, flags, message):
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
     (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-    (["--temperature", "-1"], "temperature must be finite and >= 0, got -1.0"),
+    (["--temperature", "-1"], "temperature must be finite in float32 and >= 0, got -1.0"),
     (["--top-k", "-2"], "top_k must be an int >= 0, got -2"),
     (["--min-p", "2"], "min_p must be in [0, 1], got 2.0"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be finite and > 0, got 0.0"),
-    (["--presence-penalty", "inf"], "presence_penalty must be finite, got inf"),
-    (["--frequency-penalty", "nan"], "frequency_penalty must be finite, got nan"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be finite in float32 and > 0, got 0.0"),
+    (["--presence-penalty", "inf"], "presence_penalty must be finite in float32, got inf"),
+    (["--frequency-penalty", "nan"], "frequency_penalty must be finite in float32, got nan"),
     (["--stop-id", "3", "--stop-id", "-1"], "stop_id must be token ids (ints >= 0), got [3, -1]"),
 ], ids=["top-p", "top-p-zero", "temperature", "top-k", "min-p", "repetition-penalty", "presence-penalty",
         "frequency-penalty", "stop-id"])

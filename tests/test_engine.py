@@ -348,7 +348,7 @@ BAD_INPUTS = {
     "negative token": (dict(prompts=[[-1, 3]]), "outside the vocabulary"),
     "negative gamma": (dict(gamma=-1), "gamma must be an int >= 0"),
     "gamma without drafter": (dict(drafter=None, gamma=2), "needs a drafter"),
-    "zero max_new_tokens": (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    "zero max_new_tokens": (dict(max_new_tokens=0), "max_new_tokens must be in \\[1, "),
     "eos out of range": (dict(eos_id=258), "stop token id 258"),
     "stop id out of range": (dict(stop_ids=[3, -1]), "stop token id -1"),
     "capacity too small": (dict(prompts=[[1] * 10], gamma=4, capacity=14), "capacity 14 is too small"),

@@ -14,6 +14,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import engine_helpers as H
 from specdec_jax import engine
@@ -22,7 +23,8 @@ from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, load_head
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.drafters.heads import save_head
-from specdec_jax.models import load_model
+from specdec_jax.models import LoadedModel, load_model
+from specdec_jax.models.llama import Llama
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.tree import TreeShape
 from test_distill import STEPS, log_of, tiny_config
@@ -125,6 +127,25 @@ def test_mismatched_heads_are_clear_errors(root, tmp_path):
     path = save_head(tmp_path / "bad", "eagle", eagle.config, bad, {})
     with pytest.raises(ValueError, match="vocab_map must hold distinct ids"):
         load_head(path)
+
+
+def test_a_head_is_refused_on_another_target_of_the_same_width(root, tmp_path, capsys):
+    """A head records its target's fingerprint (weight shapes, tokenizer): the same width but two layers
+    fewer is refused; its own target loads it. A head given to --drafter draft-model names its drafter;
+    a tree top-k past the head's output ids names the flag."""
+    folder, summary = trained("eagle", root)
+    target = load_model("tiny-random")
+    assert load_head(summary["draft"], target=target) is not None
+    shallow_config = dataclasses.replace(target.config, num_layers=2)
+    shallow = LoadedModel(Llama(shallow_config, rngs=nnx.Rngs(1)), shallow_config, target.tokenizer)
+    with pytest.raises(ValueError, match=r"was trained on tiny-random \(fingerprint \w+\), not on this target"):
+        load_head(summary["draft"], target=shallow)
+    code = main(["generate", "--model", "tiny-random", "--raw", "--prompt", "ab", "--max-new-tokens", "4",
+                 "--drafter", "draft-model", "--draft-model", summary["draft"]])
+    assert code == 2 and "holds a trained eagle head, not a draft model: use --drafter eagle" in capsys.readouterr().err
+    code = main(["generate", "--model", "tiny-random", "--raw", "--prompt", "ab", "--max-new-tokens", "4",
+                 "--drafter", "eagle", "--draft-model", summary["draft"], "--tree-topk", "200"])
+    assert code == 2 and "--tree-topk 200 exceeds the" in capsys.readouterr().err
 
 
 FAKE_CHATS = {

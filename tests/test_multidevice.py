@@ -189,7 +189,7 @@ def test_mesh_in_yaml_must_be_a_string(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("mesh: 4\n")
     assert main([*CLI, "--config", str(config)]) == 2
-    assert f"{config}: mesh must be a string like 'data=4,model=2', got 4" in capsys.readouterr().err
+    assert f"{config}: mesh must be a string or null, got 4" in capsys.readouterr().err
 
 
 def test_mesh_larger_than_the_devices_is_an_error(capsys):

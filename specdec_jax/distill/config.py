@@ -10,7 +10,8 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from specdec_jax.config import read_yaml
+from specdec_jax.config import blame, read_yaml
+from specdec_jax.typed import check_fields
 
 
 KINDS = ("model", "eagle", "medusa")
@@ -64,6 +65,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
+        object.__setattr__(self, "feature_layers", _layers(self.feature_layers))
+        check_fields(self)  # types first (specdec_jax.typed): answers "false" is not true
         positive = ("heldout_per_category", "eval_prompts", "gen_max_new_tokens", "gen_batch_size", "teacher_top_k", "seq_len",
                     "num_layers", "steps", "batch_size", "save_every", "eval_every", "keep_checkpoints")
         for name in positive:
@@ -80,7 +83,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be null or an int >= 1, got {value!r}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        object.__setattr__(self, "feature_layers", _layers(self.feature_layers))
         if self.extra_text not in ("", "chitchat"):
             raise ValueError(f"extra_text must be '' or 'chitchat', got {self.extra_text!r}")
         if not isinstance(self.extra_examples, int) or self.extra_examples < 0:
@@ -135,8 +137,8 @@ def train_config(file: str | pathlib.Path | None = None, **flags) -> TrainConfig
             if name not in FIELDS:
                 raise ValueError(f"{file}: unknown key {key!r} (known: {', '.join(FIELDS)})")
             values[name] = value
-    values.update({k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        return TrainConfig(**values)
+        return TrainConfig(**{**values, **given})
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ValueError(f"{blame(err, given, where)}: {err}") from None

@@ -25,6 +25,7 @@ a next token exists.
 from __future__ import annotations
 
 import pathlib
+import zipfile
 from typing import NamedTuple
 
 import jax
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 from specdec_jax import engine
 from specdec_jax.distill.config import TrainConfig
+from specdec_jax.files import replacing
 from specdec_jax.runner import encode
 
 
@@ -45,12 +47,18 @@ class Dataset(NamedTuple):
     features: np.ndarray | None = None
 
     def save(self, path: pathlib.Path) -> None:
-        np.savez(path, **{k: v for k, v in self._asdict().items() if v is not None})
+        """Written atomically (`files.replacing`): a kill leaves no half file under ``path``."""
+        with replacing(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, **{k: v for k, v in self._asdict().items() if v is not None})
 
     @classmethod
     def load(cls, path: pathlib.Path) -> Dataset:
-        with np.load(path) as f:
-            return cls(**{name: f[name] for name in cls._fields if name in f.files})
+        """A saved dataset; an unreadable or incomplete file is a ValueError naming it."""
+        try:
+            with np.load(path) as f:
+                return cls(**{name: f[name] for name in cls._fields if name in f.files})
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as err:
+            raise ValueError(f"{path}: unreadable ({err.__class__.__name__}: {err})") from None
 
     @classmethod
     def concatenate(cls, parts: list[Dataset]) -> Dataset:

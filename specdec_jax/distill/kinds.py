@@ -26,7 +26,7 @@ import numpy as np
 from specdec_jax.distill.config import TrainConfig
 from specdec_jax.distill.draft import WIDTH_KEYS, distill_loss, draft_config, frozen_names, init_draft, top_k_ce
 from specdec_jax.drafters.eagle import EagleConfig, head_logits, head_pass, init_eagle, project
-from specdec_jax.drafters.heads import save_head
+from specdec_jax.drafters.heads import save_head, target_fingerprint
 from specdec_jax.drafters.medusa import MedusaConfig, init_medusa, medusa_logits
 from specdec_jax.models.llama import Llama, LlamaTarget
 from specdec_jax.models.loaded import LoadedModel
@@ -50,8 +50,10 @@ def shared_target_weights(target) -> dict:
 
 
 def head_target_info(target) -> dict:
+    """What a head records of its target (`drafters.heads`): sizes and `target_fingerprint`."""
     cfg = target.config
-    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers}
+    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers,
+            "fingerprint": target_fingerprint(target)}
 
 
 class ModelKind:

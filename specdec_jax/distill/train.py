@@ -39,6 +39,7 @@ from specdec_jax.distill.config import TrainConfig
 from specdec_jax.distill.data import (Dataset, batch_indices, build_dataset, build_feature_dataset, split_questions,
                                       training_prompts, vocab_by_frequency)
 from specdec_jax.distill.kinds import head_target_info, head_vocab, kind_of
+from specdec_jax.files import exclusive, write_text_atomic
 from specdec_jax.models import load_model
 from specdec_jax.models.loaded import LoadedModel
 
@@ -98,6 +99,20 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
     step is saved), as a kill would; `resume=True` continues. Returns a summary dict.
     """
     out = pathlib.Path(out).resolve()
+    with exclusive(out, "train-draft"):
+        return _train(tc, out, resume, progress, stop_after)
+
+
+def latest_checkpoint(out: str | pathlib.Path) -> str:
+    """The newest checkpoint of a training folder, in words (what an interrupted training keeps)."""
+    steps = [int(p.name) for p in (pathlib.Path(out) / "checkpoints").glob("*") if p.name.isdigit()]
+    if not steps:
+        return f"no checkpoint yet in {out}"
+    return f"the checkpoint of step {max(steps)} in {pathlib.Path(out) / 'checkpoints'} (continue with --resume)"
+
+
+def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
+    """The body of `train_draft`, holding ``out``'s lock."""
     manager = _checkpoint_manager(out, tc)
     if resume and manager.latest_step() is None:
         raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
@@ -120,27 +135,30 @@ def train_draft(tc: TrainConfig, out: str | pathlib.Path, resume: bool = False, 
     if resume:
         start, trainable, opt_state = _restore(manager, tc, trainable, opt_state)
         _truncate_log(out / "log.jsonl", start)
-    log = (out / "log.jsonl").open("a")
     last = min(tc.steps, start + stop_after) if stop_after is not None else tc.steps
     bar = tqdm(range(start, last), desc="train-draft", unit="step", disable=not progress, initial=start,
                total=tc.steps)
-    for step in bar:
-        batch = {**train_data.batch(batch_indices(len(train_data), tc.batch_size, step, tc.seed)),
-                 "step": np.int32(step)}
-        tick = time.perf_counter()
-        trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
-        metrics = {k: float(v) for k, v in metrics.items()}
-        rate = batch["weight"].sum() / (time.perf_counter() - tick)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", agree=f"{metrics['agreement']:.2f}", tok_s=f"{rate:.0f}")
-        record = {"step": step + 1, **metrics, "tokens_per_s": float(rate)}
-        if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-            record["heldout"] = evaluate({**frozen, **trainable}, heldout_data)
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if (step + 1) % tc.save_every == 0 or step + 1 in (last, tc.steps):
-            _save(manager, step + 1, tc, trainable, opt_state)
-    log.close()
-    manager.wait_until_finished()
+    # A fresh run starts a new log: an old one is from a run killed before its first checkpoint.
+    with (out / "log.jsonl").open("a" if resume else "w") as log:
+        try:
+            for step in bar:
+                batch = {**train_data.batch(batch_indices(len(train_data), tc.batch_size, step, tc.seed)),
+                         "step": np.int32(step)}
+                tick = time.perf_counter()
+                trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
+                metrics = {k: float(v) for k, v in metrics.items()}
+                rate = batch["weight"].sum() / (time.perf_counter() - tick)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", agree=f"{metrics['agreement']:.2f}", tok_s=f"{rate:.0f}")
+                record = {"step": step + 1, **metrics, "tokens_per_s": float(rate)}
+                if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                    record["heldout"] = evaluate({**frozen, **trainable}, heldout_data)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                if (step + 1) % tc.save_every == 0 or step + 1 in (last, tc.steps):
+                    _save(manager, step + 1, tc, trainable, opt_state)
+        finally:  # an interrupt too: the checkpoint being written completes, orbax's threads end
+            manager.wait_until_finished()
+            manager.close()
     done = last == tc.steps
     summary = {"steps": last, "finished": done, "out": str(out)}
     if done:
@@ -158,7 +176,10 @@ def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress:
     folder = out / "data"
     paths = folder / "train.npz", folder / "heldout.npz"
     if all(p.is_file() for p in paths):
-        return Dataset.load(paths[0]), Dataset.load(paths[1])
+        try:
+            return Dataset.load(paths[0]), Dataset.load(paths[1])
+        except ValueError as err:  # a file cut by a kill or a full disk: built again
+            print(f"{err}; building the data again", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     train_q, heldout_q = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     train_records = training_prompts(train_q, tc.max_train_prompts)
@@ -172,7 +193,7 @@ def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress:
             data = Dataset.concatenate([data, build_feature_dataset(target, tc, extra, layers, progress, answers=False)])
         data.save(path)
         datasets.append(data)
-    (folder / "split.json").write_text(json.dumps(
+    write_text_atomic(folder / "split.json", json.dumps(
         {"heldout_per_category": tc.heldout_per_category, "train_ids": sorted({q["question_id"] for q in train_q}),
          "heldout_ids": sorted(q["question_id"] for q in heldout_q)}))
     return datasets[0], datasets[1]
@@ -210,11 +231,24 @@ def _restore(manager, tc: TrainConfig, trainable, opt_state):
     return int(restored["meta"]["step"]), state["trainable"], state["opt_state"]
 
 
+def read_log(path: pathlib.Path) -> list[dict]:
+    """The records of a training log; a last line cut by a kill is left out, any other bad line is a
+    ValueError naming it."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}: line {number} is not JSON") from None
+    return records
+
+
 def _truncate_log(path: pathlib.Path, step: int) -> None:
-    """Drops log lines past `step` (written after the checkpoint a resume starts from)."""
+    """Drops log lines past `step` (written after the checkpoint a resume starts from) and a cut last line."""
     if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in read_log(path) if r["step"] <= step))
 
 
 def plot_training(log_path: pathlib.Path, png: pathlib.Path) -> None:
@@ -224,7 +258,7 @@ def plot_training(log_path: pathlib.Path, png: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    records = read_log(log_path)
     evals = [r for r in records if "heldout" in r]
     fig, (ax_loss, ax_agree) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot([r["step"] for r in records], [r["loss"] for r in records], lw=0.8, label="train")

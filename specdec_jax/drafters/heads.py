@@ -2,15 +2,18 @@
 
 A head folder holds `params/` (orbax) and `specdec_head.json`, written last:
 `{"kind", "config", "target", "info"}`, where `target` names the model it was
-trained on (`hidden_size`, `vocab_size`, `num_layers`). Loading checks the
-weights' names and shapes and the `vocab_map` (distinct ids inside the
-vocabulary); the drafter's `check` compares the rest with the target it runs
-against.
+trained on (`hidden_size`, `vocab_size`, `num_layers`, and `fingerprint`:
+`target_fingerprint`, a hash of its weight shapes and tokenizer). Loading checks
+the weights' names and shapes and the `vocab_map` (distinct ids inside the
+vocabulary), and, given the target it will run against, its fingerprint (a head
+of a different target of the same width is refused); the drafter's `check`
+compares the sizes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 
@@ -48,9 +51,18 @@ def is_head_dir(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path) / HEAD_MARKER).is_file()
 
 
-def load_head(path: str | pathlib.Path, kind: str | None = None):
+def target_fingerprint(target) -> str:
+    """What a head records of the model it was trained on (a `LoadedModel`): a hash of the weights'
+    names and shapes and of the tokenizer, so a head is refused on a different target of the same width."""
+    shapes = sorted((name, tuple(np.shape(array))) for name, array in target.model.params().items())
+    text = json.dumps([shapes, target.tokenizer.identity])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_head(path: str | pathlib.Path, kind: str | None = None, target=None):
     """The drafter (`EagleDrafter` / `MedusaDrafter`) of a head folder; ValueError naming the folder
-    when it is missing, unreadable, of another kind than `kind`, or inconsistent."""
+    when it is missing, unreadable, of another kind than `kind`, inconsistent, or trained on another
+    model than `target` (a `LoadedModel`; heads saved without a fingerprint are not checked)."""
     import orbax.checkpoint as ocp
 
     folder = pathlib.Path(path).expanduser().resolve()
@@ -67,7 +79,12 @@ def load_head(path: str | pathlib.Path, kind: str | None = None):
     if marker.get("layout") != LAYOUT:  # saved before the [out, in] layout of the decoder layer's matrices
         arrays = from_in_out_layout(arrays)
     if kind is not None and marker["kind"] != kind:
-        raise ValueError(f"{folder} holds a {marker['kind']} head, not a {kind} head")
+        raise ValueError(f"{folder} holds a {marker['kind']} head, not a {kind} head: use --drafter {marker['kind']}")
+    recorded = (marker.get("target") or {}).get("fingerprint")
+    if target is not None and recorded is not None and recorded != target_fingerprint(target):
+        trained_on = (marker.get("info") or {}).get("target", "another model")
+        raise ValueError(f"{folder} was trained on {trained_on} (fingerprint {recorded}), not on this target "
+                         f"(fingerprint {target_fingerprint(target)}): train a head for it with specdec-jax train-draft")
     expected = shapes(config)
     got = {k: tuple(v.shape) for k, v in arrays.items()}
     if got != expected:

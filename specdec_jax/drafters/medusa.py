@@ -97,6 +97,9 @@ class MedusaDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
+        out = cfg.output_vocab_size or cfg.vocab_size
+        if self.tree is not None and self.tree.topk > out:
+            raise ValueError(f"--tree-topk {self.tree.topk} exceeds the {out} output ids of the Medusa heads: use at most {out}")
         if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"the Medusa heads were built for hidden size {cfg.hidden_size} and vocabulary "
                              f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")

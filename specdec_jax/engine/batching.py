@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import pathlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -25,6 +27,7 @@ from specdec_jax.engine.round import draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy
 from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
 from specdec_jax.metrics import Counters
+from specdec_jax.rng import seed_key
 from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import TargetModel, resolve_target
 
@@ -162,11 +165,43 @@ def prepare(
                       policy if gamma > 0 else None)
     params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None)
     inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
-              jax.random.key(seed))
+              seed_key(seed))
+    check_state_fits(spec, params, inputs, mesh)
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
         inputs = sharding.shard_state(inputs, mesh)
     return Prepared(spec, params, prefill(spec, params, *inputs), lens, num_rows)
+
+
+def check_state_fits(spec: EngineSpec, params: EngineParams, inputs, mesh: Mesh | None) -> None:
+    """ValueError with the numbers when the loop state (KV caches, token buffer, the drafter's state;
+    its shapes from tracing `prefill`, nothing allocated) exceeds the device memory free now (per
+    device of a mesh: the state's bytes over its devices, an estimate)."""
+    shapes = jax.eval_shape(functools.partial(prefill, spec), params, *inputs)
+    need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes) if hasattr(x, "dtype"))
+    need //= 1 if mesh is None else mesh.size
+    free = free_device_bytes()
+    if free is not None and need > free:
+        batch, longest = inputs[0].shape[0], int(np.max(inputs[1]))
+        raise ValueError(f"the decoding state needs {need / 2**30:.1f} GiB (batch {batch}, {spec.capacity} KV slots "
+                         f"per row: the longest prompt has {longest} tokens; gamma {spec.gamma}) but the device has "
+                         f"{free / 2**30:.1f} GiB free: lower max_new_tokens, gamma, the batch size or the prompt length")
+
+
+def free_device_bytes(device=None) -> int | None:
+    """Bytes free on ``device`` (default the first): its allocator's limit less its use on an accelerator,
+    the host's available memory (/proc/meminfo MemAvailable) on CPU; None where unknown."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _tree_gamma(drafter: Drafter | None, gamma, policy):
@@ -197,8 +232,8 @@ def validate(target: TargetModel, prompts, drafter, gamma, max_new_tokens, stop_
         raise ValueError(f"gamma must be an int >= 0 or 'auto', got {gamma!r}")
     if gamma > 0 and drafter is None:
         raise ValueError(f"gamma = {gamma} needs a drafter (use gamma 0 for plain decoding)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 1 <= max_new_tokens < 2**31 - 2**20:  # positions and lengths are int32 on device
+        raise ValueError(f"max_new_tokens must be in [1, {2**31 - 2**20}), got {max_new_tokens}")
     for t in stop_ids:
         if not 0 <= t < vocab:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab})")

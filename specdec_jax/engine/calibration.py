@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import statistics
 import time
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.engine.batching import prepare
+from specdec_jax.files import write_text_atomic
 from specdec_jax.engine.round import decode_round, draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, FREE_DRAFTS, ShapePolicy, auto_shapes
 from specdec_jax.kv_cache import ordered_read
@@ -191,8 +193,7 @@ def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, re
     path = cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     costs = None
     if path.is_file() and not refresh:
-        saved = json.loads(path.read_text())
-        costs = saved["costs"] if saved.get("key") == key else None
+        costs = _read_costs(path, key, gammas)
     # A multi-host run takes process 0's costs (cached or measured): one policy, one program everywhere.
     costs = same_on_every_process(costs)
     if costs is None:
@@ -200,11 +201,28 @@ def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, re
               f"{capacity}; cached in {path.parent})", flush=True)
         costs = same_on_every_process(measure_costs(target, drafter, batch, capacity, gammas, tree))
         if jax.process_index() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "costs": costs}, indent=1))
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))
     return {**costs, "tree": tree}
+
+
+def _read_costs(path, key: str, gammas) -> dict | None:
+    """The costs cached in ``path`` for ``key``; None (measure again) when it holds another key, and when it
+    is unreadable or holds a cost that is not a finite positive number (NaN would turn speculation off),
+    which is said in one line."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") != key:
+            return None
+        costs = saved["costs"]
+        numbers = [costs["T1"], *costs["verify_s"], *costs["draft_s"]]
+        if len(costs["verify_s"]) != len(gammas) or len(costs["draft_s"]) != len(gammas):
+            raise ValueError(f"{len(costs['verify_s'])} costs for {len(gammas)} shapes")
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in numbers) or costs["T1"] <= 0:
+            raise ValueError("a cost that is not a finite number >= 0")
+        return costs
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        print(f"{path}: a corrupt calibration ({err.__class__.__name__}: {err}); measuring again", flush=True)
+        return None
 
 
 def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False,

@@ -27,6 +27,12 @@ from specdec_jax.metrics import Metrics
 from specdec_jax.sampling import SamplingParams
 
 
+# Seconds of rounds per device call of the decoding loop: between calls the host sees a stop
+# (Ctrl-C, SIGTERM; `specdec_jax.interrupts`). None: one call for the whole generation.
+CHUNK_S: float | None = 1.0
+FIRST_CHUNK_ROUNDS = 2  # the first call's rounds; later calls are sized from its time
+
+
 def prepare(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None = None, **options) -> Prepared:
     """`batching.prepare` (validate, bucket, place, prefill; keyword arguments as in `generate`), with
     gamma "auto" priced by this device's calibrated costs (`calibration.shape_policy`, cached on disk)."""
@@ -106,7 +112,7 @@ def generate(
         while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
             state = decode_round(run.spec, run.params, state)
     else:
-        state = run_loop(run.spec, run.params, state)
+        state = run_chunks(run, state)
     tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
         (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
     end = time.perf_counter()
@@ -127,3 +133,22 @@ def generate(
                      "accepted_tokens": int(counters.accepted[b]), "emitted_tokens": int(counters.emitted[b])}
                     for b in range(num_rows)],
     )
+
+
+def run_chunks(run: Prepared, state):
+    """`run_loop` to the end in calls of about CHUNK_S seconds each (the first of FIRST_CHUNK_ROUNDS
+    rounds, each next one sized from the last one's rate, at most 8 times longer), so that a
+    KeyboardInterrupt reaches the caller within about a second while the rounds of a call stay on
+    device. The round count of each call is a traced argument (one program for every size); a
+    multi-host run takes process 0's sizes. Between calls only ``done`` and ``step`` reach the host."""
+    if CHUNK_S is None:
+        return run_loop(run.spec, run.params, state)
+    rounds, last = FIRST_CHUNK_ROUNDS, int(sharding.to_host(state.max_new).max())
+    while True:
+        start = time.perf_counter()
+        state = run_loop(run.spec, run.params, state, jnp.int32(rounds))
+        done, step = sharding.to_host((state.done, state.step))
+        if done.all() or int(step) >= last:
+            return state
+        rate = rounds / max(time.perf_counter() - start, 1e-6)
+        rounds = sharding.same_on_every_process(int(min(max(1, rate * CHUNK_S), 8 * rounds, last)))

@@ -24,7 +24,8 @@ row's acceptance (`engine.shape`), and `commit` updates those estimates.
 
 `run_loop` is `jax.jit` around `lax.while_loop(cond, draft_step then
 verify_step)` with the state donated, so caches update in place and nothing
-crosses to the host until every row is done. gamma = 0 is plain
+crosses to the host until every row is done (or a chunk of rounds has run:
+`engine.generate` returns to the host about once a second to see a stop). gamma = 0 is plain
 autoregressive decoding through the same code.
 
 The engine knows the target only as a `specdec_jax.target.TargetModel` and the
@@ -342,11 +343,16 @@ def decode_round(spec: EngineSpec, params: EngineParams, state: DecodeState) -> 
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def run_loop(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
-    """Rounds until every row is done; each live row emits >= 1 token a round, so at most max(max_new)."""
+def run_loop(spec: EngineSpec, params: EngineParams, state: DecodeState, rounds: jax.Array | None = None) -> DecodeState:
+    """Rounds until every row is done (each live row emits >= 1 token a round, so at most
+    max(max_new)), or until ``rounds`` (i32[], traced: every value runs one program) more have run:
+    `engine.generate` runs the loop in chunks so that the host sees a stop (Ctrl-C) between them."""
+    limit = jnp.max(state.max_new)
+    if rounds is not None:
+        limit = jnp.minimum(limit, state.step + rounds)
 
     def cond(s: DecodeState):
-        # Some row is still running, and the round limit (a safety net) is not reached.
-        return jnp.any(~s.done) & (s.step < jnp.max(s.max_new))
+        # Some row is still running, and the round limit (a safety net, or the chunk's end) is not reached.
+        return jnp.any(~s.done) & (s.step < limit)
 
     return jax.lax.while_loop(cond, lambda s: decode_round(spec, params, s), state)

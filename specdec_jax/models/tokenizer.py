@@ -7,6 +7,7 @@ model's end tokens (EOS, end of turn, ...); ``eos_id`` is the first of them.
 
 from __future__ import annotations
 
+import hashlib
 import functools
 import json
 import pathlib
@@ -20,6 +21,11 @@ class ByteTokenizer:
     eos_id: int = 257
     stop_ids: tuple[int, ...] = (257,)
     vocab_size: int = 258
+
+    @property
+    def identity(self) -> str:
+        """Names the tokenization: equal for two tokenizers that map text to the same ids."""
+        return "bytes-258"
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """The UTF-8 bytes of ``text``, optionally preceded by ``bos_id``."""
@@ -74,6 +80,12 @@ class BPETokenizer:
         self.eos_id = self.stop_ids[0]
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
+
+    @property
+    def identity(self) -> str:
+        """Names the tokenization (sha256 of the serialized tokenizer and the stop ids)."""
+        text = self._tok.to_str() + repr(self.stop_ids)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> BPETokenizer:

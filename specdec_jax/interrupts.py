@@ -1,0 +1,91 @@
+"""A clean stop on Ctrl-C (SIGINT) and SIGTERM for the command line.
+
+`install` gives both signals a Python handler that raises KeyboardInterrupt in
+the main thread (once: later signals are left to the watcher below), which
+Python runs at the main thread's next bytecode: the decoding loop returns to
+the host about once a second (`engine.generation.run_chunks`), training after
+each step, a sweep between points. The command then prints one line
+(`message`: what stopped, what was kept) and exits 130 (SIGINT) or 143
+(SIGTERM), without a traceback.
+
+Python's C-level handler also writes the signal's number to a wakeup pipe at
+once, whatever the main thread is doing; a watcher thread reads it. If the main
+thread has not printed its line within GRACE_S (it is inside one long native
+call: an XLA compile takes minutes for the Qwen pair), or a second signal comes,
+the watcher prints the line itself and ends the process at once (`os._exit`):
+every report, log line, cache and checkpoint is written to a temporary name and
+renamed, so nothing half-written is left under a name a later run trusts.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+GRACE_S = 5.0
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_received: list[int] = []  # the signal that stopped the run
+_finished = threading.Event()  # the main thread has printed the line: the waiter must not
+_kept: list[Callable[[], str]] = [lambda: "nothing"]  # what a stop leaves behind, for the one line
+
+
+def keep(describe: Callable[[], str]) -> None:
+    """Say what a stop now would leave behind (e.g. "3 finished sweep points in OUT/results.jsonl")."""
+    _kept[0] = describe
+
+
+def exit_code() -> int:
+    """128 + the signal's number: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + (_received[0] if _received else signal.SIGINT)
+
+
+def message(command: str) -> str:
+    """The one line a stop prints."""
+    name = signal.Signals(_received[0] if _received else signal.SIGINT).name
+    try:
+        kept = _kept[0]()
+    except Exception as err:  # noqa: BLE001 - the line must still be printed
+        kept = f"(could not tell: {err})"
+    return f"specdec-jax: {command} stopped by {name}; kept: {kept}"
+
+
+def stopped(command: str) -> int:
+    """Prints the stop's line (once) and returns the exit code: the main thread's handler of KeyboardInterrupt."""
+    if not _finished.is_set():
+        _finished.set()
+        print(message(command), file=sys.stderr, flush=True)
+    return exit_code()
+
+
+def install(command: str) -> None:
+    """Route SIGINT and SIGTERM of this process to a clean stop of ``command`` (module docstring)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def handler(signum, frame):
+        if not _received:  # the first signal stops the main thread; the watcher handles any later one
+            _received.append(signum)
+            raise KeyboardInterrupt
+
+    for signum in SIGNALS:
+        signal.signal(signum, handler)
+
+    def watch() -> None:
+        first = os.read(read_fd, 1)[0]
+        second = select.select([read_fd], [], [], GRACE_S)[0]
+        if not second and _finished.is_set():
+            os.read(read_fd, 1)  # the main thread is stopping; a second signal still ends it at once
+        if not _received:
+            _received.append(first)
+        if not _finished.is_set():
+            _finished.set()
+            print(message(command), file=sys.stderr, flush=True)
+        os._exit(exit_code())
+
+    threading.Thread(target=watch, name="specdec-stop", daemon=True).start()

