@@ -211,12 +211,15 @@ def run_variants(args) -> dict:
     from specdec_jax.runner import drop_compiled_programs
 
     coding = [q for q in questions(args, args.max_prompt_tokens) if q["category"] == "coding"]
-    out = []
+    saved = args.out / "variants.json"
+    out = json.loads(saved.read_text())["variants"] if saved.is_file() else []
     with prompts_file(coding) as path:
-        for variant in VARIANTS:
+        for variant in [VARIANTS[i] for i in args.variants]:
             cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=3, **variant,
                             max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
+            out = [v for v in out if (v["dtype"], v["draft_vocab"]) != (variant["dtype"], variant["draft_vocab"])]
             out.append({**variant, "report": bench(cfg, repeats=args.repeats)})
+            write_json(saved, {"variants": out})  # after each: a variant takes 10 (float32) to 50 (bfloat16) minutes
             drop_compiled_programs()
             print(variants_table(out), flush=True)
     return {"variants": out}
@@ -282,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=128, help="speed: longer prompts are left out")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
+                        help="variants: indices into VARIANTS (kept results of the others are kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "qwen_pair")
     args = parser.parse_args(argv)
@@ -298,7 +303,7 @@ def main(argv=None) -> int:
     elif args.stage == "peer":
         write_json(args.out / "peer.json", run_peer(args))
     elif args.stage == "variants":
-        write_json(args.out / "variants.json", run_variants(args))
+        run_variants(args)
     if (args.out / "variants.json").is_file():
         table = variants_table(json.loads((args.out / "variants.json").read_text())["variants"])
         (args.out / "variants_table.md").write_text(table + "\n")

@@ -299,3 +299,55 @@ def test_large_seeds_do_not_collide_with_small_ones():
 def test_theory_bounds(capsys, flags, message):
     assert main(["theory", "--alpha", "0.5", "--gamma", "4", *flags]) == 2
     assert message in one_error_line(capsys)
+
+
+# -------------------------------------------------------------------------------- messages that name things
+
+
+def test_a_bad_flag_beside_a_train_config_file_names_the_flags_and_a_bad_file_value_the_file(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("steps: 100\n")
+    with pytest.raises(ValueError, match=r"^flags: eval_every must be an int >= 1, got 0"):
+        train_config(path, eval_every=0)
+    path.write_text("steps: 0\n")
+    with pytest.raises(ValueError, match=r"t.yaml: steps must be an int >= 1, got 0"):
+        train_config(path, eval_every=5)
+
+
+def test_a_choices_file_of_non_ranks_names_the_file_and_choice(tmp_path):
+    from specdec_jax.tree import load_choices
+
+    path = tmp_path / "tree.json"
+    path.write_text('[[0], ["a"]]')
+    with pytest.raises(ValueError, match=r'tree.json: choice 1 \(\["a"\]\) must be a list of ranks'):
+        load_choices(path)
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    from specdec_jax.data import load_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not UTF-8 text"):
+        load_prompts_file(path)
+
+
+def test_bench_per_category_below_one_is_one_line(capsys):
+    assert main(["bench", "--model", "tiny-random", "--per-category", "-1"]) == 2
+    assert "--per-category must be >= 1 prompts, got -1" in one_error_line(capsys)
+
+
+def test_sigint_while_waiting_for_a_missing_peer_stops_with_one_line():
+    """A process of a multi-host run whose coordinator never comes: Ctrl-C stops it within seconds."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "specdec_jax.cli", "generate", "--model", "tiny-random", "--raw", "--prompt", "ab",
+         "--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    assert child.poll() is None, child.communicate()
+    child.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = child.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert child.returncode == 130 and time.monotonic() - sent < 10, (child.returncode, lines)
+    assert lines[-1].startswith("specdec-jax: generate stopped by SIGINT") and "Traceback" not in err, lines

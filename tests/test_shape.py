@@ -254,7 +254,7 @@ def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
 
     monkeypatch.setattr(calibration, "time_rounds", rounds)
     # every timed draft step also pays 0.05 s of call overhead, which a step drafting nothing shows
-    monkeypatch.setattr(calibration, "time_draft_step", lambda run, g: 0.05 + draft[gammas.index(g)])
+    monkeypatch.setattr(calibration, "time_draft_steps", lambda run, gs: [0.05 + draft[gammas.index(g)] for g in gs])
     monkeypatch.setattr(calibration, "time_target_pass", lambda run, width: 1.0)
     drafter = H.ngram_trie() if kind == "tree" else H.ngram()
     costs = calibration.measure_costs(H.target(), drafter, 2, 64, gammas, tree=kind == "tree")

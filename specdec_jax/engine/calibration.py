@@ -89,15 +89,30 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     """Seconds of one `draft_step` at a fixed ``gamma`` (default the run's; at most its gamma): the
     drafter's whole proposal, a copy of the loop state donated and fed back. gamma 0 times the
     round of a shape policy that does not speculate (the drafter keeping its state in step)."""
-    gamma = run.spec.gamma if gamma is None else gamma
-    spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
-    state = jax.tree.map(jnp.copy, run.state)
-    if gamma == 0:  # a policy whose only other shape costs too much to be chosen
-        never = ShapePolicy((0, run.spec.gamma), (1.0, 1e9), (0.0, 1e9))
-        spec = dataclasses.replace(run.spec, policy=never)
-        state = state.replace(acceptance=jnp.zeros(state.proposal.drafts.shape, jnp.float32))
-    step = jax.jit(functools.partial(draft_step, spec), donate_argnums=1)
-    return median_time_fed_back(lambda state: step(run.params, state), state, repeats)
+    return time_draft_steps(run, [run.spec.gamma if gamma is None else gamma], repeats)[0]
+
+
+def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
+    """`time_draft_step` at each of ``gammas``, timed in turn (one call of each per repeat), so that a
+    change in the machine's load reaches all of them alike: timed one after another, a shared 2-core
+    machine once priced the Qwen pair's 1, 2, 3, 4 drafts at 39, 255, 280, 271 ms (3: 194 ms quiet)."""
+    steps = []
+    for gamma in gammas:
+        spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
+        state = jax.tree.map(jnp.copy, run.state)
+        if gamma == 0:  # a policy whose only other shape costs too much to be chosen
+            never = ShapePolicy((0, run.spec.gamma), (1.0, 1e9), (0.0, 1e9))
+            spec = dataclasses.replace(run.spec, policy=never)
+            state = state.replace(acceptance=jnp.zeros(state.proposal.drafts.shape, jnp.float32))
+        step = jax.jit(functools.partial(draft_step, spec), donate_argnums=1)
+        steps.append([step, jax.block_until_ready(step(run.params, state))])  # compiled and warm
+    times = [[] for _ in gammas]
+    for _ in range(repeats):
+        for entry, samples in zip(steps, times):
+            start = time.perf_counter()
+            entry[1] = jax.block_until_ready(entry[0](run.params, entry[1]))
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
@@ -136,7 +151,7 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     ``batch`` rows of (at most) CALIBRATION_PROMPT random tokens at KV capacity ``capacity``,
     rounds timed CALIBRATION_ROUNDS at a time in a loop (`time_rounds`):
 
-    - draft_s[i]: the drafter's proposal of gammas[i] tokens (`time_draft_step`) less a draft step
+    - draft_s[i]: the drafter's proposal of gammas[i] tokens (`time_draft_steps`, all timed in turn) less a draft step
       that proposes nothing (the jitted call's own overhead, 0.3 ms here, which the loop does not
       pay: it made the n-gram lookup look 2.3% of a batch-1 round, over FREE_DRAFTS); a tree
       (``tree``: gammas are node counts, drafted whole or not at all) costs its whole drafting for
@@ -162,11 +177,13 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     prompts = rng.integers(0, model.vocab_size, (batch, length)).tolist()
     run = prepare(target, prompts, drafter, policy=policy(False), max_new_tokens=loop * width + width + 1,
                   capacity=capacity)
-    idle = time_draft_step(run, 0)  # a draft step that proposes nothing: the call's own overhead, not paid in the loop
+    # Less a draft step that proposes nothing: the call's own overhead, which the loop does not pay.
     if tree:
-        draft = [0.0] + [max(0.0, time_draft_step(run, max(gammas)) - idle)] * last
+        idle, whole = time_draft_steps(run, [0, max(gammas)])
+        draft = [0.0] + [max(0.0, whole - idle)] * last
     else:
-        draft = [0.0] + [max(0.0, time_draft_step(run, g) - idle) for g in gammas[1:]]
+        idle, *timed = time_draft_steps(run, [0, *gammas[1:]])
+        draft = [0.0] + [max(0.0, t - idle) for t in timed]
     # Decisions from timings are process 0's: every process of a multi-host run must run the same programs.
     free = same_on_every_process(draft[-1] <= FREE_DRAFTS * time_target_pass(run, 1))
     for _ in range(2):  # again under the other program if the policy's own test (by T1) says otherwise
@@ -248,8 +265,8 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
 
 # How costs are measured, and the revision of the forward pass they were measured on: changing
 # either makes every cached calibration stale.
-METHOD = ("rounds in a loop, drafting less an idle step; forward pass r3 (layer matrices [out, in]); "
-          "greedy rounds reduce logits inside the width branch; the run's capacity")
+METHOD = ("rounds in a loop, drafting less an idle step, draft lengths timed in turn; forward pass r3 (layer "
+          "matrices [out, in]); greedy rounds reduce logits inside the width branch; the run's capacity")
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
