@@ -6,9 +6,7 @@ Shared by `specdec-jax generate`, the demo and the benchmarks.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import pathlib
 
 import jax
 from tqdm import tqdm
@@ -16,7 +14,7 @@ from tqdm import tqdm
 from specdec_jax.config import RunConfig, sampling_params
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
-from specdec_jax.drafters.heads import HEAD_MARKER, is_head_dir, load_head
+from specdec_jax.drafters.heads import head_kind, load_head
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
@@ -33,8 +31,8 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
     if cfg.drafter in ("eagle", "medusa"):
         return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter, target=target), tree=cfg.tree_shape)
-    if is_head_dir(cfg.draft_model):
-        kind = json.loads((pathlib.Path(cfg.draft_model) / HEAD_MARKER).read_text()).get("kind", "eagle or medusa")
+    kind = head_kind(cfg.draft_model)
+    if kind is not None:
         raise ValueError(f"{cfg.draft_model} holds a trained {kind} head, not a draft model: use --drafter {kind}")
     draft = load_model(cfg.draft_model, dtype=cfg.dtype)
     if cfg.draft_vocab:

@@ -13,6 +13,7 @@ dataclass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 
@@ -46,10 +47,15 @@ def describe(hint) -> str:
     return NAMES.get(hint, str(hint))
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 def check_fields(settings) -> None:
     """ValueError ``"KEY must be TYPE, got VALUE"`` for the first field whose value does not match its
     annotation; converts ints in float fields to floats and lists in tuple fields to tuples."""
-    hints = typing.get_type_hints(type(settings))
+    hints = _hints(type(settings))
     for field in dataclasses.fields(settings):
         value, hint = getattr(settings, field.name), hints[field.name]
         if not _matches(value, hint):

@@ -71,29 +71,29 @@ class TrainConfig:
                     "num_layers", "steps", "batch_size", "save_every", "eval_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("max_train_prompts", "max_prompt_tokens", "draft_vocab", "warmup_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be null or an int >= 1, got {value!r}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.extra_text not in ("", "chitchat"):
             raise ValueError(f"extra_text must be '' or 'chitchat', got {self.extra_text!r}")
-        if not isinstance(self.extra_examples, int) or self.extra_examples < 0:
+        if self.extra_examples < 0:
             raise ValueError(f"extra_examples must be an int >= 0, got {self.extra_examples!r}")
         if self.extra_text and self.kind == "model":
             raise ValueError("extra_text feeds teacher-forced feature data: it needs kind eagle or medusa")
-        if not isinstance(self.medusa_heads, int) or self.medusa_heads < 1:
+        if self.medusa_heads < 1:
             raise ValueError(f"medusa_heads must be an int >= 1, got {self.medusa_heads!r}")
         if self.feature_noise < 0 or self.regression_weight < 0 or self.ce_weight < 0:
             raise ValueError("feature_noise, regression_weight and ce_weight must be >= 0")
-        if not isinstance(self.ttt_steps, int) or self.ttt_steps < 0:
+        if self.ttt_steps < 0:
             raise ValueError(f"ttt_steps must be an int >= 0, got {self.ttt_steps!r}")
         if self.ttt_steps and self.kind != "eagle":
             raise ValueError("ttt_steps (the training-time test) is for kind eagle")

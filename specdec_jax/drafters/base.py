@@ -135,3 +135,9 @@ class DrafterBase:
     def commit(self, params, state, outcome: RoundOutcome):
         """The state is unchanged."""
         return state
+
+
+def check_tree_topk(tree: TreeShape | None, output_ids: int, what: str) -> None:
+    """ValueError naming the flag when a tree asks for more children per node than ``what`` has output ids."""
+    if tree is not None and tree.topk > output_ids:
+        raise ValueError(f"--tree-topk {tree.topk} exceeds the {output_ids} output ids of {what}: use at most {output_ids}")

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_tree_topk
 from specdec_jax.drafters.chain import draw_chain
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
@@ -182,9 +182,7 @@ class EagleDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
-        out = cfg.output_vocab_size or cfg.vocab_size
-        if self.tree is not None and self.tree.topk > out:
-            raise ValueError(f"--tree-topk {self.tree.topk} exceeds the {out} output ids of the EAGLE head: use at most {out}")
+        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.vocab_size, "the EAGLE head")
         if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"the EAGLE head was built for hidden size {cfg.hidden_size} and vocabulary "
                              f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")

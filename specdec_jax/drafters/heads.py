@@ -51,6 +51,16 @@ def is_head_dir(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path) / HEAD_MARKER).is_file()
 
 
+def head_kind(path: str | pathlib.Path) -> str | None:
+    """"eagle" or "medusa" for a head folder, None for anything else."""
+    if not is_head_dir(path):
+        return None
+    try:
+        return json.loads((pathlib.Path(path) / HEAD_MARKER).read_text()).get("kind")
+    except (OSError, ValueError):
+        return "unreadable"
+
+
 def target_fingerprint(target) -> str:
     """What a head records of the model it was trained on (a `LoadedModel`): a hash of the weights'
     names and shapes and of the tokenizer, so a head is refused on a different target of the same width."""

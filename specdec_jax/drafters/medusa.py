@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import tree as trees
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_tree_topk
 from specdec_jax.drafters.chain import draw_chain
 from specdec_jax.target import FINAL_NORM, TargetModel
 from specdec_jax.tree import TreeShape
@@ -97,9 +97,7 @@ class MedusaDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
-        out = cfg.output_vocab_size or cfg.vocab_size
-        if self.tree is not None and self.tree.topk > out:
-            raise ValueError(f"--tree-topk {self.tree.topk} exceeds the {out} output ids of the Medusa heads: use at most {out}")
+        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.vocab_size, "the Medusa heads")
         if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"the Medusa heads were built for hidden size {cfg.hidden_size} and vocabulary "
                              f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")

@@ -34,6 +34,8 @@ from specdec_jax.target import TargetModel, resolve_target
 AUTO = "auto"  # gamma chosen per round by a ShapePolicy (engine.shape) from this device's measured costs
 PolicyFor = Callable[[int, int], ShapePolicy]  # (bucketed batch, KV capacity) -> the policy for those shapes
 
+MAX_NEW_TOKENS = 2**31 - 2**20  # exclusive bound: positions and lengths are int32 on device
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_new, live, row_ids,
@@ -232,8 +234,8 @@ def validate(target: TargetModel, prompts, drafter, gamma, max_new_tokens, stop_
         raise ValueError(f"gamma must be an int >= 0 or 'auto', got {gamma!r}")
     if gamma > 0 and drafter is None:
         raise ValueError(f"gamma = {gamma} needs a drafter (use gamma 0 for plain decoding)")
-    if not 1 <= max_new_tokens < 2**31 - 2**20:  # positions and lengths are int32 on device
-        raise ValueError(f"max_new_tokens must be in [1, {2**31 - 2**20}), got {max_new_tokens}")
+    if not 1 <= max_new_tokens < MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}), got {max_new_tokens}")
     for t in stop_ids:
         if not 0 <= t < vocab:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab})")

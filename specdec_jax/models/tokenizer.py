@@ -7,8 +7,8 @@ model's end tokens (EOS, end of turn, ...); ``eos_id`` is the first of them.
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import json
 import pathlib
 from collections.abc import Iterable
