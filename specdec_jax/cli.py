@@ -13,6 +13,7 @@ import argparse
 import json
 import pathlib
 import sys
+import traceback
 
 import jax
 
@@ -111,6 +112,11 @@ def _generate(args) -> int:
     distributed = initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     try:
         report = run(config_from_args(args))
+    except BaseException:
+        if distributed:  # said now: the shutdown barrier below aborts this process while a peer waits in a collective
+            traceback.print_exc()
+            sys.stderr.flush()
+        raise
     finally:
         if distributed:
             # Every process leaves the coordination service at one barrier, before interpreter

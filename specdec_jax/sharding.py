@@ -280,6 +280,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     return True
 
 
+def least_over_processes(value: int | None) -> int | None:
+    """The least of every process's ``value`` (None where any process has None); ``value`` itself in a
+    single-process run. Every process must call it at the same point (it is a collective)."""
+    if jax.process_count() == 1:
+        return value
+    values = multihost_utils.process_allgather(np.int64(-1 if value is None else value))
+    return None if (values < 0).any() else int(values.min())
+
+
 def same_on_every_process(value):
     """``value`` (anything JSON can hold) as process 0 has it, on every process; ``value`` itself
     in a single-process run. Every process must call it at the same point (it is a collective)."""

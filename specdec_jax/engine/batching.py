@@ -182,7 +182,7 @@ def check_state_fits(spec: EngineSpec, params: EngineParams, inputs, mesh: Mesh 
     shapes = jax.eval_shape(functools.partial(prefill, spec), params, *inputs)
     need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes) if hasattr(x, "dtype"))
     need //= 1 if mesh is None else mesh.size
-    free = free_device_bytes()
+    free = sharding.least_over_processes(free_device_bytes())  # one decision, or a process waits alone in a collective
     if free is not None and need > free:
         batch, longest = inputs[0].shape[0], int(np.max(inputs[1]))
         raise ValueError(f"the decoding state needs {need / 2**30:.1f} GiB (batch {batch}, {spec.capacity} KV slots "
@@ -191,9 +191,9 @@ def check_state_fits(spec: EngineSpec, params: EngineParams, inputs, mesh: Mesh 
 
 
 def free_device_bytes(device=None) -> int | None:
-    """Bytes free on ``device`` (default the first): its allocator's limit less its use on an accelerator,
-    the host's available memory (/proc/meminfo MemAvailable) on CPU; None where unknown."""
-    device = device or jax.devices()[0]
+    """Bytes free on ``device`` (default this process's first): its allocator's limit less its use on an
+    accelerator, the host's available memory (/proc/meminfo MemAvailable) on CPU; None where unknown."""
+    device = device or jax.local_devices()[0]  # another process's devices have no memory_stats here
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
