@@ -64,7 +64,7 @@ class RunConfig:
     tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
 
     def __post_init__(self):
-        check_fields(self)  # types first (specdec_jax.typed): raw "false" is not true
+        check_fields(self, {"mesh": "'data=4,model=2'"})  # types first (specdec_jax.typed): raw "false" is not true
         checks = (
             ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
             ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),

@@ -52,14 +52,16 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def check_fields(settings) -> None:
-    """ValueError ``"KEY must be TYPE, got VALUE"`` for the first field whose value does not match its
-    annotation; converts ints in float fields to floats and lists in tuple fields to tuples."""
+def check_fields(settings, examples: dict[str, str] | None = None) -> None:
+    """ValueError ``"KEY must be TYPE, got VALUE"`` (and ``examples[KEY]``, a valid value, where given) for
+    the first field whose value does not match its annotation; converts ints in float fields to floats
+    and lists in tuple fields to tuples."""
     hints = _hints(type(settings))
     for field in dataclasses.fields(settings):
         value, hint = getattr(settings, field.name), hints[field.name]
         if not _matches(value, hint):
-            raise ValueError(f"{field.name} must be {describe(hint)}, got {value!r}")
+            example = f" (e.g. {examples[field.name]})" if field.name in (examples or {}) else ""
+            raise ValueError(f"{field.name} must be {describe(hint)}{example}, got {value!r}")
         if hint is float:
             try:
                 object.__setattr__(settings, field.name, float(value))

@@ -61,6 +61,57 @@ def test_sigint_and_sigterm_stop_a_long_generation_with_one_line(tmp_path):
         assert not (tmp_path / f"{sig}.json").exists()
 
 
+def _stop_when(child, ready, timeout: float = 240) -> None:
+    """Waits until ``ready()`` (the child has kept something), then sends SIGINT."""
+    end = time.monotonic() + timeout
+    while not ready():
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < end, "nothing was kept in time"
+        time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+
+
+def _stopped_line(child, command: str) -> str:
+    sent = time.monotonic()
+    _, err = child.communicate(timeout=60)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("specdec-jax:")]
+    assert child.returncode == 130 and time.monotonic() - sent < 10, (child.returncode, err[-2000:])
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith(f"specdec-jax: {command} stopped by "
+                                                                               "SIGINT; kept: "), err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_sweep_keeping_its_finished_points_and_a_training_keeping_its_checkpoint(tmp_path):
+    """A real SIGINT to a sweep after its first point, and to a training after its first checkpoint: one
+    line each naming what was kept, exit 130 within seconds, no traceback (orbax's futures included)."""
+    cli = [sys.executable, "-m", "specdec_jax.cli"]
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text("base: {model: tiny-random, raw: true, ignore_eos: true, max_new_tokens: 3000, prompt: ab}"
+                          "\ngrid: {gamma: [1, 2, 3, 4, 5, 6]}\n")
+    sweep_child = subprocess.Popen([*cli, "sweep", str(sweep_file), "--out", str(tmp_path / "sweep")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = tmp_path / "sweep" / "results.jsonl"
+    _stop_when(sweep_child, lambda: results.is_file() and results.read_text().count("\n") >= 1)
+    line = _stopped_line(sweep_child, "sweep")
+    points = results.read_text().count("\n")
+    assert f"{points} finished points in {results}" in line
+
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "ab"[i % 2], "turns": [f"text {i} " * 5]})
+                                  for i in range(8)))
+    out = tmp_path / "train"
+    train_child = subprocess.Popen(
+        [*cli, "train-draft", "--out", str(out), "--target", "tiny-random", "--prompts-file", str(prompts),
+         "--gen-max-new-tokens", "8", "--heldout-per-category", "1", "--eval-prompts", "2", "--seq-len", "32",
+         "--num-layers", "1", "--draft-vocab", "64", "--steps", "100000", "--batch-size", "4", "--save-every", "2",
+         "--eval-every", "100000", "--warmup-steps", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _stop_when(train_child, lambda: any(p.name.isdigit() for p in (out / "checkpoints").glob("*")))
+    line = _stopped_line(train_child, "train-draft")
+    assert "the checkpoint of step" in line and "--resume" in line, line
+
+
 def test_chunked_loop_equals_one_call(monkeypatch):
     """The loop run in chunks of a few rounds (a stop is seen between them) emits exactly what one call does,
     ragged rows and speculation included."""
@@ -283,7 +334,15 @@ def test_numbers_past_their_bounds_are_one_line(capsys, flags, message):
 def test_a_state_larger_than_the_free_memory_is_refused_with_its_size(capsys):
     assert main([*TINY, "--max-new-tokens", "1000000000"]) == 2
     line = one_error_line(capsys)
-    assert "the decoding state needs" in line and "GiB" in line and "free" in line, line
+    assert "the decoding state need" in line and "GiB" in line and "free" in line, line
+
+
+def test_a_long_prompt_whose_prefill_does_not_fit_is_refused_naming_it():
+    """The loop state of a 300,000-token prompt fits; its prefill's attention scores do not: refused from
+    the compiled program's memory, naming the row and its length, before anything is allocated."""
+    prompts = [[1, 2], [3] * 300_000]
+    with pytest.raises(ValueError, match=r"prefill and the decoding state need .* row 1, has 300000 tokens"):
+        engine.prepare(H.target(), prompts, max_new_tokens=4)
 
 
 def test_large_seeds_do_not_collide_with_small_ones():

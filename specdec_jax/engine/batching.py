@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import pathlib
 from collections.abc import Callable, Sequence
 
@@ -40,7 +39,8 @@ MAX_NEW_TOKENS = 2**31 - 2**20  # exclusive bound: positions and lengths are int
 @functools.partial(jax.jit, static_argnums=0)
 def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_new, live, row_ids,
             sampling: RowSampling, key) -> DecodeState:
-    """Writes padded prompts i32[B,P] into the caches in one pass; lengths = prompt_lens - 1."""
+    """Writes padded prompts i32[B,P] into the caches in one pass; lengths = prompt_lens - 1. ``spec`` has
+    no shape policy (`start_policy` adds its state), so that one program serves every policy."""
     batch, width = prompts.shape
     kept = min(width, spec.buffer_len)  # a bucket wider than the buffer is padding past it
     tokens = jnp.zeros((batch, spec.buffer_len), jnp.int32).at[:, :kept].set(prompts[:, :kept])
@@ -77,12 +77,20 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
         target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
         if spec.record_top_k else None,
-        acceptance=None if spec.policy is None else spec.policy.initial(batch),
-        draft_found=None if spec.policy is None else jnp.ones((batch,), jnp.float32),
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)
         state = state.replace(proposal=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    return sharding.constrain_state(state, spec.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def start_policy(spec: EngineSpec, state: DecodeState) -> DecodeState:
+    """`prefill`'s state (of ``spec`` without its policy) with the state of ``spec.policy``: the acceptance
+    estimates before any round and counters of its verify widths."""
+    batch = state.done.shape[0]
+    state = state.replace(acceptance=spec.policy.initial(batch), draft_found=jnp.ones((batch,), jnp.float32),
+                          counters=Counters.zeros(batch, spec.gamma, len(spec.verify_widths)))
     return sharding.constrain_state(state, spec.mesh)
 
 
@@ -139,14 +147,9 @@ def prepare(
     batch = _round_up(_next_power_of_two(num_rows), data)  # the data axis divides the batch
     longest = max(map(len, prompts))
     capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
-    if auto and policy is None:
-        if policy_for is None:
-            raise ValueError("gamma 'auto' needs a ShapePolicy (policy=) or a builder of one (policy_for=); "
-                             "engine.prepare and engine.generate use this device's calibrated costs")
-        policy = policy_for(batch, capacity)
-    if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
-        raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
-                         "drafter one over chain lengths")
+    if auto and policy is None and policy_for is None:
+        raise ValueError("gamma 'auto' needs a ShapePolicy (policy=) or a builder of one (policy_for=); "
+                         "engine.prepare and engine.generate use this device's calibrated costs")
     padded = np.zeros((batch, prompt_bucket(longest)), np.int32)
     lens = np.ones((batch,), np.int32)
     for b, p in enumerate(prompts):
@@ -163,31 +166,42 @@ def prepare(
         raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
     rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
 
-    spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh,
-                      policy if gamma > 0 else None)
+    spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh, None)
     params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None)
     inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
               seed_key(seed))
-    check_state_fits(spec, params, inputs, mesh)
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
         inputs = sharding.shard_state(inputs, mesh)
-    return Prepared(spec, params, prefill(spec, params, *inputs), lens, num_rows)
+    run_prefill = compiled_prefill(spec, params, inputs, lens)  # refuses what does not fit before any calibration
+    if auto and policy is None:
+        policy = policy_for(batch, capacity)
+    if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
+        raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
+                         "drafter one over chain lengths")
+    state = run_prefill(params, *inputs)
+    if policy is not None and gamma > 0:
+        spec = dataclasses.replace(spec, policy=policy)
+        state = start_policy(spec, state)
+    return Prepared(spec, params, state, lens, num_rows)
 
 
-def check_state_fits(spec: EngineSpec, params: EngineParams, inputs, mesh: Mesh | None) -> None:
-    """ValueError with the numbers when the loop state (KV caches, token buffer, the drafter's state;
-    its shapes from tracing `prefill`, nothing allocated) exceeds the device memory free now (per
-    device of a mesh: the state's bytes over its devices, an estimate)."""
-    shapes = jax.eval_shape(functools.partial(prefill, spec), params, *inputs)
-    need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes) if hasattr(x, "dtype"))
-    need //= 1 if mesh is None else mesh.size
+def compiled_prefill(spec: EngineSpec, params: EngineParams, inputs, lens: np.ndarray) -> Callable:
+    """`prefill` compiled for ``inputs`` (the call runs this executable: nothing is compiled twice), after a
+    ValueError with the numbers when its memory (the loop state it returns, KV caches, token buffer, the
+    drafter's state, and its working memory: a long prompt's attention scores) exceeds the device memory
+    free now (per device of a mesh, from the compiled program's own accounting)."""
+    compiled = prefill.lower(spec, params, *inputs).compile()
+    stats = compiled.memory_analysis()
     free = sharding.least_over_processes(free_device_bytes())  # one decision, or a process waits alone in a collective
-    if free is not None and need > free:
-        batch, longest = inputs[0].shape[0], int(np.max(inputs[1]))
-        raise ValueError(f"the decoding state needs {need / 2**30:.1f} GiB (batch {batch}, {spec.capacity} KV slots "
-                         f"per row: the longest prompt has {longest} tokens; gamma {spec.gamma}) but the device has "
-                         f"{free / 2**30:.1f} GiB free: lower max_new_tokens, gamma, the batch size or the prompt length")
+    if stats is not None and free is not None:
+        need = stats.output_size_in_bytes + stats.temp_size_in_bytes
+        if need > free:
+            raise ValueError(f"prefill and the decoding state need {need / 2**30:.1f} GiB (batch {lens.shape[0]}, "
+                             f"{spec.capacity} KV slots per row: the longest prompt, row {int(np.argmax(lens))}, has "
+                             f"{int(lens.max())} tokens; gamma {spec.gamma}) but the device has {free / 2**30:.1f} GiB "
+                             "free: shorten the prompt, or lower max_new_tokens, gamma or the batch size")
+    return compiled
 
 
 def free_device_bytes(device=None) -> int | None:
