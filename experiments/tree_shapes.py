@@ -132,8 +132,9 @@ def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -
                            for c, a in report["categories"].items()}}
 
 
-def tokens_only(cfg: RunConfig, per_category: int) -> dict:
-    """Tokens per round per category (one untimed run each), and overall."""
+def tokens_only(cfg: RunConfig, per_category: int, drafter=None) -> dict:
+    """Tokens per round per category (one untimed run each), and overall; ``drafter`` (default the
+    config's) may be given built."""
     by_category = {}
     for r in prompt_records(cfg):
         by_category.setdefault(r["category"], [])
@@ -143,7 +144,7 @@ def tokens_only(cfg: RunConfig, per_category: int) -> dict:
     metrics = {}
     for c, rs in by_category.items():
         drop_compiled_programs()  # XLA CPU keeps every program compiled in a process
-        metrics[c] = run(cfg, target=target, records=rs, progress=False)["metrics"]
+        metrics[c] = run(cfg, target=target, drafter=drafter, records=rs, progress=False)["metrics"]
     emitted = sum(m["emitted_tokens"] for m in metrics.values())
     rounds = sum(m["rounds"] for m in metrics.values())
     drafted = sum(m["draft_tokens"] for m in metrics.values())

@@ -48,8 +48,10 @@ FLAG_HELP = {
     "oracle_alpha": "acceptance of the oracle drafter",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
+    "datastore": "retrieval drafter: sharegpt, a .jsonl file of texts or chats, or a folder of text/code files "
+                 "(repeatable; tokenised and indexed once, cached)",
     "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
-    "tree_nodes": "draft a token tree of this many nodes (ngram, draft-model, eagle, medusa; default depth x "
+    "tree_nodes": "draft a token tree of this many nodes (ngram, retrieval, draft-model, eagle, medusa; default depth x "
                   "topk), or auto: each round verifies the best 0, 1, 2, 4, 8, 16 .. depth x topk of them",
     "tree_depth": "deepest tree node (default 4 with a tree)",
     "tree_topk": "children per expanded node: n-gram matches, draft/EAGLE top-k, Medusa ranks (default 2 with a tree)",
@@ -74,7 +76,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         value = default.default
         if isinstance(value, bool):
             parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[name])
-        elif name == "prompt":
+        elif name in ("prompt", "datastore"):
             parser.add_argument(flag, action="append", default=None, help=FLAG_HELP[name])
         elif name == "stop_id":
             parser.add_argument(flag, action="append", type=int, default=None, metavar="ID", help=FLAG_HELP[name])
@@ -97,7 +99,7 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args, defaults: dict | None = None) -> RunConfig:
     """RunConfig of the flags over the --config file over `defaults` (a command's own) over RunConfig's."""
     flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
-    for name in ("prompt", "stop_id"):  # repeatable flags
+    for name in ("prompt", "stop_id", "datastore"):  # repeatable flags
         if flags[name] is not None:
             flags[name] = tuple(flags[name])
     file_values = {**(defaults or {}), **(load_yaml(args.config) if args.config else {})}

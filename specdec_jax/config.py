@@ -23,9 +23,9 @@ from specdec_jax.sharding import DATA, parse_mesh
 from specdec_jax.tree import TreeShape, load_choices
 from specdec_jax.typed import check_fields
 
-DRAFTERS = ("none", "ngram", "draft-model", "oracle", "eagle", "medusa")
+DRAFTERS = ("none", "ngram", "retrieval", "draft-model", "oracle", "eagle", "medusa")
 NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
-TREE_DRAFTERS = ("ngram", "draft-model", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
+TREE_DRAFTERS = ("ngram", "retrieval", "draft-model", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
 TREE_FIELDS = ("tree_nodes", "tree_depth", "tree_topk")  # ints; with tree_choices, the tree's shape
 TREE_DEFAULTS = {"tree_depth": 4, "tree_topk": 2}  # tree_nodes defaults to depth * topk
 
@@ -56,6 +56,7 @@ class RunConfig:
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
+    datastore: tuple[str, ...] = ()  # retrieval drafter: sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder
     mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
     tree_nodes: int | str | None = None  # a token tree of this many nodes (specdec_jax.tree), "auto" (a size
     # chosen per round, engine.shape); None: a chain
@@ -79,6 +80,10 @@ class RunConfig:
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+        if (self.drafter == "retrieval") != bool(self.datastore) and self.gamma != 0:
+            raise ValueError("the retrieval drafter needs a datastore (e.g. sharegpt, a .jsonl file or a folder)"
+                             if self.drafter == "retrieval" else
+                             f"datastore is for drafter 'retrieval', not {self.drafter!r}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
         if self.draft_vocab and self.drafter != "draft-model":

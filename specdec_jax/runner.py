@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from specdec_jax.config import RunConfig, sampling_params
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
-from specdec_jax.drafters import ModelDrafter, NgramDrafter, oracle_drafter
+from specdec_jax.datastore import load_datastore
+from specdec_jax.drafters import ModelDrafter, NgramDrafter, RetrievalDrafter, oracle_drafter
 from specdec_jax.drafters.heads import head_kind, load_head
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
@@ -27,6 +28,12 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return None
     if cfg.drafter == "ngram":
         return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min, tree=cfg.tree_shape)
+    if cfg.drafter == "retrieval":
+        if mesh is not None:
+            raise ValueError("the retrieval drafter runs on one device: drop --mesh")
+        store = load_datastore(cfg.datastore, target.tokenizer)
+        return RetrievalDrafter.from_datastore(store, lookup=NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min),
+                                               tree=cfg.tree_shape)
     if cfg.drafter == "oracle":
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
     if cfg.drafter in ("eagle", "medusa"):

@@ -165,6 +165,16 @@ def compact(tokens: jax.Array, parents: jax.Array, keep: jax.Array) -> tuple[jax
     return tokens.astype(jnp.int32), parents.astype(jnp.int32), num_nodes
 
 
+def first_nodes(tokens: jax.Array, parents: jax.Array, keep: jax.Array, nodes: int):
+    """``(tokens, parents, num_nodes)`` of the first ``nodes`` kept nodes of ``tokens``, ``parents`` and
+    ``keep`` [B,M] (`compact`; padded when M < nodes)."""
+    tokens, parents, count = compact(tokens, parents, keep)
+    pad = max(0, nodes - tokens.shape[1])
+    tokens = jnp.pad(tokens, ((0, 0), (0, pad)))[:, :nodes]
+    parents = jnp.pad(parents, ((0, 0), (0, pad)), constant_values=ROOT)[:, :nodes]
+    return tokens, parents, jnp.minimum(count, nodes).astype(jnp.int32)
+
+
 def static_tree(choices: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(parents i32[N], depth i32[N], rank i32[N])`` of a static tree in Medusa's format: one
     choice per node, the list of top-k ranks on the way to it (``[0]`` is the best first token,

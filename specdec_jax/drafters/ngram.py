@@ -111,6 +111,13 @@ class NgramDrafter(DrafterBase):
 
     def _propose_trie(self, ctx: DraftContext, nodes: int) -> Proposal:
         """A trie of the K best matches' continuations, N = ``nodes`` nodes (point masses)."""
+        drafts, parents, count = trees.first_nodes(*self.trie_nodes(ctx), nodes)
+        return Proposal(drafts, count, None, parents)
+
+    def trie_nodes(self, ctx: DraftContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(tokens, parents, keep)``, each [B, K*D]: the trie of the K best matches' continuations
+        before compaction, node m * D + d the d-th token of match m (the best match's chain first),
+        kept where it is the first of its prefix (`tree.compact` keeps its order)."""
         k, depth = self.tree.topk, self.tree.depth
         tokens, length = ctx.tokens, ctx.num_tokens
         batch, size = tokens.shape
@@ -140,9 +147,5 @@ class NgramDrafter(DrafterBase):
         keep = present & (first == jnp.arange(k)[None, :, None])
         parent = jnp.concatenate([jnp.full((batch, k, 1), trees.ROOT, jnp.int32),
                                   (first[:, :, :-1] * depth + offset[:, :, :-1]).astype(jnp.int32)], axis=2)
-        flat = lambda x: x.reshape(batch, k * depth)  # noqa: E731  node m * D + d: the best match's chain first
-        drafts, parents, count = trees.compact(flat(cont), flat(parent), flat(keep))
-        pad = max(0, nodes - depth * k)
-        drafts = jnp.pad(drafts, ((0, 0), (0, pad)))[:, :nodes]
-        parents = jnp.pad(parents, ((0, 0), (0, pad)), constant_values=trees.ROOT)[:, :nodes]
-        return Proposal(drafts, jnp.minimum(count, nodes).astype(jnp.int32), None, parents)
+        flat = lambda x: x.reshape(batch, k * depth)  # noqa: E731
+        return flat(cont), flat(parent), flat(keep)

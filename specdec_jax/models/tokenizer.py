@@ -31,6 +31,10 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text``, optionally preceded by ``bos_id``."""
         return [self.bos_id] * add_bos + list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text."""
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the byte ids; special ids are skipped, bad UTF-8 replaced."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -129,6 +133,10 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it map to their ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text (the library's threads)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens skipped."""
