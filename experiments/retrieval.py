@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
     parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--runs", nargs="+", default=None, help=f"only these runs (of {list(RUNS)}, or timed: "
+                        f"{list(TIMED)})")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "retrieval")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     with prompts_file(recipe_questions("heldout")) as prompts:  # Spec-Bench text is read at run time, never committed
         for temperature in args.temperatures:
             for name, fields in (RUNS if args.tokens_only else TIMED).items():
+                if args.runs and name not in args.runs:
+                    continue
                 cfg = dataclasses.replace(base, prompts_file=str(prompts), temperature=temperature, **_fields(fields, datastore))
                 key = f"{name} T={temperature:g}"
                 if fields.get("alone"):
