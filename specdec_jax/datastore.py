@@ -164,21 +164,23 @@ def tokenize(tokenizer, texts: list[str], limit: int, progress: bool) -> tuple[n
     """(i32[N] tokens with SEP after each document, documents kept) for at most ``limit`` tokens."""
     from tqdm import tqdm
 
-    parts, total, batch = [], 0, 256
-    bar = tqdm(total=len(texts), desc="tokenising the datastore", unit="doc", disable=not progress, leave=False,
-               delay=0.5)
-    for start in range(0, len(texts), batch):
-        for ids in tokenizer.encode_batch(texts[start:start + batch]):
-            if not ids:
-                continue
+    parts, total = [], 0
+    with tqdm(total=len(texts), desc="tokenising the datastore", unit="doc", disable=not progress, leave=False,
+              delay=0.5) as bar:
+        for ids in _encoded(tokenizer, texts, bar):
             if total + len(ids) + 1 > limit:
-                bar.close()
-                return np.concatenate(parts) if parts else np.zeros(0, np.int32), len(parts) // 2
-            parts += [np.asarray(ids, np.int32), np.array([SEP], np.int32)]
-            total += len(ids) + 1
-        bar.update(min(batch, len(texts) - start))
-    bar.close()
+                break
+            if ids:
+                parts += [np.asarray(ids, np.int32), np.array([SEP], np.int32)]
+                total += len(ids) + 1
     return (np.concatenate(parts) if parts else np.zeros(0, np.int32)), len(parts) // 2
+
+
+def _encoded(tokenizer, texts: list[str], bar, batch: int = 256):
+    """The token ids of each text, encoded ``batch`` at a time (``bar`` advanced per batch)."""
+    for start in range(0, len(texts), batch):
+        yield from tokenizer.encode_batch(texts[start:start + batch])
+        bar.update(len(texts[start:start + batch]))
 
 
 def datastore_key(tokenizer, sources, limit: int) -> str:

@@ -28,9 +28,7 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
         return None
     if cfg.drafter == "ngram":
         return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min, tree=cfg.tree_shape)
-    if cfg.drafter == "retrieval":
-        if mesh is not None:
-            raise ValueError("the retrieval drafter runs on one device: drop --mesh")
+    if cfg.drafter == "retrieval":  # one device only: RetrievalDrafter.check refuses a mesh
         store = load_datastore(cfg.datastore, target.tokenizer)
         return RetrievalDrafter.from_datastore(store, lookup=NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min),
                                                tree=cfg.tree_shape)

@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdec_jax import tree as trees
 from specdec_jax.datastore import SEP, Datastore
@@ -166,10 +167,10 @@ class RetrievalDrafter(DrafterBase):
     def from_datastore(cls, store: Datastore, **options) -> RetrievalDrafter:
         """The drafter over ``store`` (placed on the default device)."""
         tokens = store.tokens
-        real = tokens[tokens != SEP]
         name = f"{'+'.join(store.meta['sources'])}:{store.meta['tokenizer']}:{tokens.size}"
         params = {"tokens": jnp.asarray(tokens), "suffixes": jnp.asarray(store.suffixes)}
-        return cls(datastore=name, max_token=int(real.max()) if real.size else 0, params=params, **options)
+        return cls(datastore=name, max_token=int(np.max(tokens, where=tokens != SEP, initial=0)), params=params,
+                   **options)
 
     def check(self, target, mesh) -> None:
         if self.max_token >= target.vocab_size:
