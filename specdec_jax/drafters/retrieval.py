@@ -1,10 +1,11 @@
-"""Retrieval drafting: the row's own history first (prompt lookup), a token datastore to fill, on device.
+"""Retrieval drafting: the row's own history first (prompt lookup), token datastores to fill, on device.
 
 Every round, for every row, inside the jitted loop (docs/retrieval.md):
 
 1. Prompt lookup (`NgramDrafter`, ``lookup``) over the row's prompt and output.
-2. The datastore (`specdec_jax.datastore`: a token array and its suffix array,
-   the drafter's params): for n from ``max_n`` down to ``min_n``, the run of
+2. Each datastore (`specdec_jax.datastore`: a token array and its suffix array,
+   in the drafter's params; the target's own outputs first when it keeps them,
+   then the fixed one): for n from ``max_n`` down to ``min_n``, the run of
    suffixes that begin with the row's last n tokens, by binary search
    (`suffix_run`: ceil(log2 N) steps, each one gather of n tokens, every n and
    both ends of each run searched at once); the longest n with a run wins. Its continuation is grown token by token: at each depth,
@@ -13,13 +14,20 @@ Every round, for every row, inside the jitted loop (docs/retrieval.md):
    candidate's exact count is its own sub-run (two more binary searches, the run
    being sorted by that token), and the most frequent one is drafted, the run
    narrowed to it. A continuation stops at a document's end.
-3. Combination: a chain is prompt lookup's when it found one, else the
-   datastore's. A tree (``tree``: K = topk, D = depth) holds prompt lookup's trie
-   first (`NgramDrafter.trie_nodes`), then the datastore's K most frequent next
-   tokens, each grown greedily to depth D, up to ``tree.nodes`` nodes.
+3. Combination: a chain is prompt lookup's when it found one, else that of the
+   datastore with the longest match (the first datastore among equals). A tree
+   (``tree``: K = topk, D = depth) holds prompt lookup's trie first
+   (`NgramDrafter.trie_nodes`), then each datastore's K most frequent next
+   tokens, each grown greedily to depth D, up to ``tree.nodes`` nodes. The
+   target's own outputs come before prompt lookup (chain and tree) where they
+   match more tokens than prompt lookup can (its max_n): a repeated request.
+
+The outputs datastore (``outputs`` > 0) starts empty; `observe` adds each
+generate call's outputs after the call, so a row drafts from what earlier calls
+produced, never from its own future. Its arrays keep one shape as it fills.
 
 The drafter is deterministic (q is a point mass), so stochastic verification
-stays exact. Its cost does not depend on the datastore's size but through log N.
+stays exact. Its cost does not depend on a datastore's size but through log N.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import tree as trees
-from specdec_jax.datastore import SEP, Datastore
+from specdec_jax.datastore import SEP, Datastore, OutputsStore
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.ngram import NgramDrafter
 from specdec_jax.tree import TreeShape
@@ -139,22 +147,27 @@ def grow(data, suffixes, lo, hi, offset, depth: int):
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalDrafter(DrafterBase):
-    """Prompt lookup, then a token datastore (module docstring). Build one with `from_datastore`.
+    """Prompt lookup, then token datastores (module docstring). Build one with `from_datastore`.
 
-    datastore: names the datastore (its sources, tokenizer and size), for equality and caches.
-    min_n, max_n: context suffix lengths searched in the datastore, longest first.
-    lookup: the prompt-lookup drafter tried first (its own n-gram lengths); None: the datastore alone.
+    datastore: names the fixed datastore (its sources, tokenizer and size; "" for none), for equality and caches.
+    min_n, max_n: context suffix lengths searched in the datastores, longest first.
+    lookup: the prompt-lookup drafter tried first (its own n-gram lengths); None: the datastores alone.
     tree: propose a trie (module docstring); None: a chain.
-    params: {"tokens": i32[N], "suffixes": i32[N]}, the datastore on device.
+    outputs: the capacity in tokens of the target's own outputs as a datastore (`OutputsStore`); 0: none.
+    memory: that outputs store (host side), filled by `observe`.
+    params: {"stores": [{"tokens": i32[N], "suffixes": i32[N]}, ...]}, the datastores on device, the
+      outputs one first.
     """
 
     datastore: str
-    max_token: int  # the largest token id in the datastore (checked against the target's vocabulary)
+    max_token: int  # the largest token id in the fixed datastore (checked against the target's vocabulary)
     min_n: int = 2
     max_n: int = 8
     lookup: NgramDrafter | None = NgramDrafter(max_n=3, min_n=1)
     tree: TreeShape | None = None
+    outputs: int = 0
     name: str = dataclasses.field(default="retrieval", init=False)
+    memory: OutputsStore | None = dataclasses.field(default=None, compare=False)
     params: dict | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -164,13 +177,27 @@ class RetrievalDrafter(DrafterBase):
             object.__setattr__(self, "lookup", dataclasses.replace(self.lookup, tree=self.tree))
 
     @classmethod
-    def from_datastore(cls, store: Datastore, **options) -> RetrievalDrafter:
-        """The drafter over ``store`` (placed on the default device)."""
-        tokens = store.tokens
-        name = f"{'+'.join(store.meta['sources'])}:{store.meta['tokenizer']}:{tokens.size}"
-        params = {"tokens": jnp.asarray(tokens), "suffixes": jnp.asarray(store.suffixes)}
-        return cls(datastore=name, max_token=int(np.max(tokens, where=tokens != SEP, initial=0)), params=params,
+    def from_datastore(cls, store: Datastore | None, outputs: int = 0, **options) -> RetrievalDrafter:
+        """The drafter over ``store`` (placed on the default device) and, with ``outputs`` > 0, an
+        outputs datastore of that many tokens; at least one of the two."""
+        if store is None and not outputs:
+            raise ValueError("a retrieval drafter needs a datastore: a fixed one, the outputs one, or both")
+        memory = OutputsStore(outputs) if outputs else None
+        stores = [_on_device(*memory.arrays())] if memory else []
+        name, max_token = "", 0
+        if store is not None:
+            tokens = store.tokens
+            name = f"{'+'.join(store.meta['sources'])}:{store.meta['tokenizer']}:{tokens.size}"
+            max_token = int(np.max(tokens, where=tokens != SEP, initial=0))
+            stores.append(_on_device(tokens, store.suffixes))
+        return cls(datastore=name, max_token=max_token, outputs=outputs, memory=memory, params={"stores": stores},
                    **options)
+
+    def observe(self, outputs) -> None:
+        """Adds a finished generate call's outputs to the outputs datastore (when the drafter keeps one)."""
+        if self.memory is not None:
+            self.memory.add(outputs)
+            self.params["stores"][0] = _on_device(*self.memory.arrays())
 
     def check(self, target, mesh) -> None:
         if self.max_token >= target.vocab_size:
@@ -183,22 +210,46 @@ class RetrievalDrafter(DrafterBase):
         return None
 
     def propose(self, params, state, ctx: DraftContext, gamma: int):
-        data, suffixes = params["tokens"], params["suffixes"]
-        lo, hi, n = longest_match(data, suffixes, ctx.tokens, ctx.num_tokens, self.min_n, self.max_n)
+        matches = [(s["tokens"], s["suffixes"], *longest_match(s["tokens"], s["suffixes"], ctx.tokens, ctx.num_tokens,
+                                                               self.min_n, self.max_n)) for s in params["stores"]]
         if self.tree is not None:
-            return self._propose_tree(data, suffixes, lo, hi, n, ctx, gamma), state
-        drafts, present = grow(data, suffixes, lo, hi, n, gamma)
+            return self._propose_tree(matches, ctx, gamma), state
+        chains = [grow(data, suffixes, lo, hi, n, gamma) for data, suffixes, lo, hi, n in matches]
+        best = jnp.argmax(jnp.stack([m[-1] for m in matches], axis=1), axis=1)  # longest match, first among equals
+        drafts = jnp.stack([c[0] for c in chains], axis=1)[jnp.arange(best.size), best]  # [B,G]
+        present = jnp.stack([c[1] for c in chains], axis=1)[jnp.arange(best.size), best]
         num_draft = jnp.cumprod(present, axis=1).sum(axis=1).astype(jnp.int32)
         if self.lookup is not None:
             own, _ = self.lookup.propose(None, None, ctx, gamma)
-            mine = own.num_draft > 0
+            mine = (own.num_draft > 0) & ~self._outputs_first(matches)
             drafts = jnp.where(mine[:, None], own.drafts, drafts)
             num_draft = jnp.where(mine, own.num_draft, num_draft)
         return Proposal(drafts, num_draft, None), state
 
-    def _propose_tree(self, data, suffixes, lo, hi, n, ctx: DraftContext, nodes: int) -> Proposal:
+    def _outputs_first(self, matches) -> jax.Array:
+        """bool[B]: the outputs datastore matched more tokens than prompt lookup can (its max_n)."""
+        if not self.outputs or self.lookup is None:
+            return jnp.zeros(matches[0][-1].shape, bool)
+        return matches[0][-1] > self.lookup.max_n
+
+    def _propose_tree(self, matches, ctx: DraftContext, nodes: int) -> Proposal:
+        parts = [self._branches(*m) for m in matches]
+        if self.lookup is None:
+            drafts, num, parents = _first_nodes_of(parts, nodes)
+            return Proposal(drafts, num, None, parents)
+        own = self.lookup.trie_nodes(ctx)
+        drafts, num, parents = _first_nodes_of([own, *parts], nodes)  # own history first
+        if self.outputs:  # unless the outputs datastore matched longer
+            first = self._outputs_first(matches)
+            drafts_o, num_o, parents_o = _first_nodes_of([parts[0], own, *parts[1:]], nodes)
+            drafts, num, parents = (jnp.where(first[:, None], drafts_o, drafts), jnp.where(first, num_o, num),
+                                    jnp.where(first[:, None], parents_o, parents))
+        return Proposal(drafts, num, None, parents)
+
+    def _branches(self, data, suffixes, lo, hi, n):
+        """``(tokens, parents, keep)`` [B, K*D]: a datastore's K most frequent next tokens, each grown to depth D."""
         k, depth = self.tree.topk, self.tree.depth
-        batch = ctx.tokens.shape[0]
+        batch = lo.shape[0]
         token, count, sub_lo, sub_hi = next_tokens(data, suffixes, lo, hi, n, max(PROBES, k))
         count, best = jax.lax.top_k(count, k)  # [B,K] the K most frequent first tokens
         pick = lambda x: jnp.take_along_axis(x, best, 1)  # noqa: E731
@@ -208,14 +259,22 @@ class RetrievalDrafter(DrafterBase):
         present = jnp.cumprod(jnp.concatenate([(count > 0)[:, :, None], rest_present], axis=2), axis=2).astype(bool)
         offset = jnp.arange(depth)[None, None, :]
         parent = jnp.where(offset == 0, trees.ROOT, jnp.arange(k)[None, :, None] * depth + offset - 1)
-        tokens, parents, keep = (x.reshape(batch, k * depth) for x in (cont, jnp.broadcast_to(parent, cont.shape),
-                                                                       present))
-        if self.lookup is not None:  # own history first: its nodes come before the datastore's
-            own_tokens, own_parents, own_keep = self.lookup.trie_nodes(ctx)
-            shift = own_tokens.shape[1]
-            tokens = jnp.concatenate([own_tokens, tokens], axis=1)
-            parents = jnp.concatenate([own_parents, jnp.where(parents >= 0, parents + shift, parents)], axis=1)
-            keep = jnp.concatenate([own_keep, keep], axis=1)
-        drafts, parents, num = trees.first_nodes(tokens, parents.astype(jnp.int32), keep, nodes)
-        return Proposal(drafts, num, None, parents)
+        return tuple(x.reshape(batch, k * depth) for x in (cont, jnp.broadcast_to(parent, cont.shape), present))
 
+
+def _first_nodes_of(parts, nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(drafts, num, parents)``: the first ``nodes`` kept nodes of the tries ``parts`` [(tokens, parents,
+    keep) each [B, M_i], parents within the part] in order (`tree.first_nodes`)."""
+    tokens, parents, keep, shift = [], [], [], 0
+    for t, p, k in parts:  # each part's parents point into itself: shift them past the earlier parts
+        tokens.append(t)
+        parents.append(jnp.where(p >= 0, p + shift, p))
+        keep.append(k)
+        shift += t.shape[1]
+    drafts, parents, num = trees.first_nodes(jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1).astype(jnp.int32),
+                                             jnp.concatenate(keep, 1), nodes)
+    return drafts, num, parents
+
+
+def _on_device(tokens: np.ndarray, suffixes: np.ndarray) -> dict:
+    return {"tokens": jnp.asarray(tokens), "suffixes": jnp.asarray(suffixes)}

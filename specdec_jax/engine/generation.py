@@ -120,8 +120,11 @@ def generate(
     lens, num_rows = run.prompt_lens, run.num_rows
     if top is not None:
         top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
+    outputs = [tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)]
+    if drafter is not None:
+        drafter.observe(outputs)  # after the call: no row drafts from its own future
     return GenerationResult(
-        tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
+        tokens=outputs,
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
         metrics=Metrics.from_counters(counters, num_rows),
         wall_s=wall,
