@@ -8,6 +8,7 @@ experiments/results/qwen_pair (`--out`):
     python experiments/qwen_pair.py acceptance   # tokens per round at gamma 2, 3, 4 per category (after speed)
     python experiments/qwen_pair.py peer         # transformers greedy and assisted generation (after speed)
     python experiments/qwen_pair.py variants     # the coding prompts at gamma 3: float32, --draft-vocab, bfloat16
+    python experiments/qwen_pair.py retrieval    # a code datastore beside the 0.5B, and the two combined (after speed)
     python experiments/qwen_pair.py tables       # redraws tables and figures from the saved JSON
 
 Prompts: the held-out split (the 5 highest question ids of each category, never trained on), the
@@ -19,7 +20,10 @@ speculation at each gamma from bench's plain greedy outputs and one teacher-forc
 (exact for greedy; checked against a measured gamma 3 run), and measures temperature 0.7 at gamma 3
 (tokens per round is deterministic for a seed and the same on any hardware). `peer` times
 transformers (greedy, and assisted generation with the same 0.5B) on the coding prompts of `speed`,
-in a process of its own, the same way bench times it.
+in a process of its own, the same way bench times it. `retrieval` replays, on the same greedy outputs,
+prompt lookup, the retrieval drafter over a datastore of this Python's standard library sources
+(tokenised with the pair's tokenizer) and the 0.5B, each at gamma 4, and the two combined: the
+retrieval chain first, the 0.5B drafting the rest of the 4 (exact for greedy, as `replay_greedy`).
 """
 
 from __future__ import annotations
@@ -82,6 +86,35 @@ def replay_greedy(matches: list[bool], gamma: int) -> tuple[int, list[int], list
     return rounds, proposed, accepted
 
 
+def draft_matches(rows) -> list[list[bool]]:
+    """Per row (id, category, prompt, output): whether the 0.5B's greedy token equals each output token,
+    given the output before it (one teacher-forced pass)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specdec_jax.models import load_model
+    from specdec_jax.models.llama import forward
+
+    draft = load_model(DRAFT)
+    width = max(len(p) + len(o) for _, _, p, o in rows)
+    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
+                                                             draft.config.init_cache(1, width))[0], -1))
+    found = []
+    for _, _, prompt, output in rows:
+        seq = np.zeros((1, width), np.int32)
+        seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
+        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
+        found.append([bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)])
+    return found
+
+
+def speed_rows(out: pathlib.Path) -> list[tuple]:
+    """(id, category, prompt ids, plain greedy output) of every prompt of speed.json."""
+    speed = json.loads((out / "speed.json").read_text())
+    return [(i, c, p, o) for r in speed["batches"]
+            for i, c, p, o in zip(r["ids"], r["categories"], r["prompt_ids"], r["plain_outputs"])]
+
+
 def run_acceptance(args) -> dict:
     """Tokens per round and acceptance by draft position at each of GAMMAS on the prompts of speed.json.
 
@@ -90,34 +123,19 @@ def run_acceptance(args) -> dict:
     gamma 3 (the prompts as one ragged batch; each row's counts are its solo run's)."""
     import time
 
-    import jax
-    import jax.numpy as jnp
-
     from specdec_jax.drafters import ModelDrafter
     from specdec_jax.engine import generate
     from specdec_jax.models import load_model
-    from specdec_jax.models.llama import forward
     from specdec_jax.sampling import SamplingParams
 
-    speed = json.loads((args.out / "speed.json").read_text())
-    rows = [(i, c, p, o) for r in speed["batches"]
-            for i, c, p, o in zip(r["ids"], r["categories"], r["prompt_ids"], r["plain_outputs"])]
-    draft = load_model(DRAFT)
-    width = max(len(p) + len(o) for _, _, p, o in rows)
-    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
-                                                             draft.config.init_cache(1, width))[0], -1))
+    rows = speed_rows(args.out)
     replays = []
-    for qid, category, prompt, output in rows:
-        seq = np.zeros((1, width), np.int32)
-        seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
-        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
-        matches = [bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)]
+    for (qid, category, _, output), matches in zip(rows, draft_matches(rows)):
         for gamma in GAMMAS:
             rounds, proposed, accepted = replay_greedy(matches, gamma)
             replays.append({"temperature": 0.0, "gamma": gamma, "id": qid, "category": category, "rounds": rounds,
                             "emitted_tokens": len(output), "proposed": proposed, "accepted": accepted,
                             "agreement": sum(matches) / len(matches), "how": "replayed"})
-    del draft
     target, draft = load_model(TARGET), load_model(DRAFT)
     drafter = ModelDrafter(draft.config, draft.model.params())
     measured = []
@@ -276,9 +294,124 @@ def peer_table(speed: dict, peer: dict, out: pathlib.Path) -> str:
     return table
 
 
+def stdlib_source() -> pathlib.Path:
+    """A JSONL of this Python's standard library sources (every .py file, site-packages and the test
+    suite left out), written once into the cache: a code datastore found on any machine."""
+    import sysconfig
+
+    from specdec_jax.models.fetch import cache_dir
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    path = cache_dir() / "sources" / f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib.jsonl"
+    if not path.is_file():
+        files = sorted(f for f in stdlib.rglob("*.py") if not {"site-packages", "test", "__pycache__"} &
+                       set(f.relative_to(stdlib).parts))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text("".join(json.dumps({"text": f.read_text(errors="replace")}) + "\n" for f in files))
+        partial.replace(path)
+    return path
+
+
+def replay_drafter(propose, rows, gamma: int, matches=None) -> list[dict]:
+    """Greedy speculation of a deterministic drafter replayed along each row's greedy output: every round
+    ``propose(tokens i32[B,T], num_tokens i32[B]) -> (drafts i32[B,gamma], num_draft i32[B])`` drafts for
+    every unfinished row from its committed prefix (prompt and output so far), the drafts are accepted up to
+    the first one the output does not have, one more token is emitted. With ``matches`` (`draft_matches`),
+    the 0.5B drafts the rest of the gamma after a chain that was wholly right (a wrong one ends the round
+    anyway, so what the 0.5B would draft after it does not matter). Per row: rounds, emitted tokens, the
+    drafter's and the 0.5B's drafts."""
+    import jax
+    import jax.numpy as jnp
+
+    sequences = [p + o for _, _, p, o in rows]
+    tokens = np.zeros((len(rows), max(map(len, sequences))), np.int32)
+    for b, seq in enumerate(sequences):
+        tokens[b, : len(seq)] = seq
+    start = np.array([len(p) for _, _, p, _ in rows])
+    pos, end = start.copy(), np.array([len(q) for q in sequences])
+    stats = [{"rounds": 0, "emitted_tokens": 0, "drafts": 0, "model_drafts": 0} for _ in rows]
+    step = jax.jit(propose)
+    while (pos < end).any():
+        drafts, num = jax.device_get(step(jnp.asarray(tokens), jnp.asarray(pos, jnp.int32)))
+        for b in np.flatnonzero(pos < end):
+            k = 0
+            while k < num[b] and pos[b] + k < end[b] and drafts[b, k] == tokens[b, pos[b] + k]:
+                k += 1
+            more = gamma - num[b] if matches is not None and k == num[b] else 0
+            mine = matches[b][pos[b] + k - start[b]:][:more] if more else []
+            k += next((i for i, m in enumerate(mine) if not m), len(mine))
+            emit = min(k + 1, end[b] - pos[b])
+            stats[b]["rounds"] += 1
+            stats[b]["emitted_tokens"] += emit
+            stats[b]["drafts"] += int(num[b])
+            stats[b]["model_drafts"] += more
+            pos[b] += emit
+    return stats
+
+
+def run_retrieval(args) -> dict:
+    """Tokens per round at gamma 4 on speed.json's greedy outputs: prompt lookup, the retrieval drafter
+    over the standard library's sources, the 0.5B, the retrieval chain then the 0.5B (`replay_drafter`)."""
+    from specdec_jax.datastore import load_datastore
+    from specdec_jax.drafters import NgramDrafter, RetrievalDrafter
+    from specdec_jax.drafters.base import DraftContext
+
+    rows = speed_rows(args.out)
+    store = load_datastore([str(stdlib_source())], qwen_tokenizer())
+    lookup = NgramDrafter(max_n=3, min_n=1)
+    retrieval = RetrievalDrafter.from_datastore(store, lookup=lookup)
+
+    def proposer(drafter):
+        def propose(tokens, num_tokens):
+            ctx = DraftContext(tokens=tokens, num_tokens=num_tokens, prompt_lens=num_tokens, room=num_tokens,
+                               last_emit=num_tokens, last_accepted=num_tokens, features=None, keys=None,
+                               sampling=None, target_params=None, target=None)  # what these drafters read
+            proposal, _ = drafter.propose(drafter.params, None, ctx, 4)
+            return proposal.drafts, proposal.num_draft
+        return propose
+
+    matches = draft_matches(rows)
+    nothing = lambda tokens, num: (np.zeros((tokens.shape[0], 4), np.int32), np.zeros(tokens.shape[0], np.int32))  # noqa: E731
+    runs = {"prompt lookup": replay_drafter(proposer(lookup), rows, 4),
+            "retrieval (stdlib)": replay_drafter(proposer(retrieval), rows, 4),
+            "0.5B": replay_drafter(nothing, rows, 4, matches),
+            "retrieval (stdlib), then the 0.5B": replay_drafter(proposer(retrieval), rows, 4, matches)}
+    return {"datastore": {**store.meta, "MiB": store.nbytes / 2**20}, "gamma": 4,
+            "rows": [{"id": i, "category": c} for i, c, _, _ in rows], "runs": runs}
+
+
+def retrieval_table(payload: dict, speed: dict) -> str:
+    """Markdown: tokens per round per category and overall, the 0.5B's drafts per round, and the speedup
+    the cost model predicts from speed.json's median T1, Tv (5 tokens) and Td (one 0.5B step)."""
+    costs = {k: np.median([b[k] for b in speed["batches"]]) for k in ("T1", "Td")}
+    tv = np.median([b["T_by_width"][b["verify_widths"].index(5)] if 5 in b["verify_widths"] else b["Tv"]
+                    for b in speed["batches"]])
+    ds = payload["datastore"]
+    lines = [f"Datastore: Python standard library sources, {ds['documents']:,} files, {ds['tokens']:,} tokens "
+             f"(Qwen tokenizer), {ds['MiB']:.0f} MiB, built in {ds['build_s']} s. Gamma 4, greedy, replayed on "
+             f"speed.json's outputs; predicted speedup = tokens per round x T1 / (Tv + 0.5B drafts per round x Td), "
+             f"T1 {1000 * costs['T1']:.0f} ms, Tv {1000 * tv:.0f} ms, Td {1000 * costs['Td']:.0f} ms (medians of speed.json).",
+             "",
+             "| drafter | " + " | ".join(sorted({r["category"] for r in payload["rows"]})) +
+             " | overall | 0.5B drafts per round | predicted speedup |", "|---|" + "---|" * 
+             (len({r["category"] for r in payload["rows"]}) + 3)]
+    categories = sorted({r["category"] for r in payload["rows"]})
+    for name, stats in payload["runs"].items():
+        def rate(keep):
+            chosen = [s for s, r in zip(stats, payload["rows"]) if keep(r)]
+            return sum(s["emitted_tokens"] for s in chosen) / sum(s["rounds"] for s in chosen)
+        rounds = sum(s["rounds"] for s in stats)
+        model = sum(s["model_drafts"] for s in stats) / rounds
+        overall = rate(lambda r: True)
+        lines.append(f"| {name} | " + " | ".join(f"{rate(lambda r, c=c: r['category'] == c):.2f}" for c in categories)
+                     + f" | {overall:.2f} | {model:.2f} | {overall * costs['T1'] / (tv + model * costs['Td']):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "variants", "tables"])
+    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "variants", "retrieval", "tables"])
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--extra-coding", type=int, default=3, help="more held-out coding questions")
     parser.add_argument("--peer-prompts", type=int, default=3, help="coding questions timed beside transformers")
@@ -304,6 +437,13 @@ def main(argv=None) -> int:
         write_json(args.out / "peer.json", run_peer(args))
     elif args.stage == "variants":
         run_variants(args)
+    elif args.stage == "retrieval":
+        write_json(args.out / "retrieval.json", run_retrieval(args))
+    if (args.out / "retrieval.json").is_file():
+        table = retrieval_table(json.loads((args.out / "retrieval.json").read_text()),
+                                json.loads((args.out / "speed.json").read_text()))
+        (args.out / "retrieval_table.md").write_text(table)
+        print(table)
     if (args.out / "variants.json").is_file():
         table = variants_table(json.loads((args.out / "variants.json").read_text())["variants"])
         (args.out / "variants_table.md").write_text(table + "\n")

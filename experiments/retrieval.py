@@ -13,10 +13,18 @@ otherwise `specdec-jax bench` beside plain decoding at `--gamma auto` (speedups,
 Also: the datastore's build time and size, and one draft step of each drafter over T1 (a target
 pass of one token), timed on this device (batch 1, a 200-token context).
 
+`--outputs-pass`: the model's own outputs as a datastore. Pass 1 decodes the first `--per-category`
+held-out questions of each category, pass 2 the other held-out ones; tokens per round of pass 2 for
+prompt lookup, the fixed datastore, and the fixed datastore beside `outputs` (which holds pass 1's
+outputs, and pass 2's earlier ones, as it would serving these requests in turn), chain and tree.
+Writes outputs.json too (the questions' ids, prompt and output token ids of both passes; not
+committed), which experiments/suffix_decoding_peer.py replays through arctic-inference's SuffixDecoding.
+
 Writes `--out` (default experiments/results/retrieval): summary.json, table.md, retrieval.png.
 
     python experiments/retrieval.py --tokens-only --per-category 2 --out experiments/results/retrieval/tokens
     python experiments/retrieval.py --per-category 2 --temperatures 0 --out experiments/results/retrieval/timed
+    python experiments/retrieval.py --outputs-pass --per-category 2 --out experiments/results/retrieval/outputs
 """
 
 from __future__ import annotations
@@ -26,12 +34,12 @@ import dataclasses
 import json
 import pathlib
 
-from common import RESULTS, category_bars, prompts_file, pyplot, recipe_questions, write_json
+from common import RESULTS, category_bars, first_per_category, prompts_file, pyplot, recipe_questions, write_json
 from tree_shapes import timed, tokens_only
 
 from specdec_jax import engine
 from specdec_jax.config import RunConfig
-from specdec_jax.datastore import load_datastore
+from specdec_jax.datastore import OUTPUTS, load_datastore
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter
@@ -43,6 +51,12 @@ RUNS = {  # name -> RunConfig fields (besides model, prompts, temperature)
     "ngram t16": {"drafter": "ngram", "ngram_min": 1, **TREE},
     "retrieval t16": {"drafter": "retrieval", "ngram_min": 1, **TREE},
     "datastore only g4": {"drafter": "retrieval", "gamma": 4, "ngram_min": 1, "alone": True},
+}
+OUTPUTS_RUNS = {  # name -> RunConfig fields; "outputs": the drafter keeps the model's outputs, from pass 1 on
+    "ngram g4": RUNS["ngram g4"], "retrieval g4": RUNS["retrieval g4"],
+    "retrieval+outputs g4": {**RUNS["retrieval g4"], "outputs": True},
+    "ngram t16": RUNS["ngram t16"], "retrieval t16": RUNS["retrieval t16"],
+    "retrieval+outputs t16": {**RUNS["retrieval t16"], "outputs": True},
 }
 TIMED = {"ngram auto": {"drafter": "ngram", "ngram_min": 1}, "retrieval auto": {"drafter": "retrieval", "ngram_min": 1},
          "retrieval t16 auto": {"drafter": "retrieval", "ngram_min": 1, **TREE, "tree_nodes": "auto"}}
@@ -68,6 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--runs", nargs="+", default=None, help=f"only these runs (of {list(RUNS)}, or timed: "
                         f"{list(TIMED)})")
+    parser.add_argument("--outputs-pass", action="store_true", help="pass 2 with the outputs of pass 1 (tokens only)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "retrieval")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +93,12 @@ def main(argv=None) -> int:
     summary["datastore"] = {**store.meta, "MiB": store.nbytes / 2**20}
     base = RunConfig(max_new_tokens=args.max_new_tokens)
     datastore = tuple(args.datastore)
+    if args.outputs_pass:
+        summary["outputs_pass"] = outputs_pass(base, datastore, args.per_category, args.out)
+        write_json(summary_path, summary)
+        (args.out / "table.md").write_text(outputs_table(summary))
+        print(outputs_table(summary))
+        return 0
     summary["lookup_cost"] = {name: lookup_cost(dataclasses.replace(base, **_fields(fields, datastore)), target)
                               for name, fields in RUNS.items() if "alone" not in fields}
     write_json(summary_path, summary)
@@ -102,9 +123,46 @@ def main(argv=None) -> int:
 
 
 def _fields(fields: dict, datastore: tuple[str, ...]) -> dict:
-    """RunConfig fields of a run (``datastore`` if it is a retrieval run)."""
-    return {**{k: v for k, v in fields.items() if k != "alone"},
+    """RunConfig fields of a run (``datastore``, with outputs if asked, if it is a retrieval run)."""
+    datastore += (OUTPUTS,) if fields.get("outputs") else ()
+    return {**{k: v for k, v in fields.items() if k not in ("alone", "outputs")},
             "datastore": datastore if fields["drafter"] == "retrieval" else ()}
+
+
+def outputs_pass(base: RunConfig, datastore: tuple[str, ...], per_category: int, out: pathlib.Path) -> dict:
+    """Tokens per round of pass 2 (the held-out questions after the first ``per_category`` of each
+    category) for every OUTPUTS_RUNS entry, pass 1 decoded first by the drafters that keep outputs;
+    out/outputs.json: both passes' token ids (greedy, so the same for every drafter)."""
+    held = recipe_questions("heldout")
+    first = first_per_category(held, per_category)
+    second = [q for q in held if q not in first]
+    results, rows = {}, {}
+    with prompts_file(first) as path_1, prompts_file(second) as path_2:
+        for name, fields in OUTPUTS_RUNS.items():
+            cfg = dataclasses.replace(base, **_fields(fields, datastore))
+            drafter = build_drafter(cfg, load_model(cfg.model))
+            passes = [("pass 1", path_1), ("pass 2", path_2)] if fields.get("outputs") else [("pass 2", path_2)]
+            for label, path in passes:
+                rows[label] = []
+                results.setdefault(name, {})[label] = tokens_only(dataclasses.replace(cfg, prompts_file=str(path)),
+                                                                  len(held), drafter, rows[label])
+    write_json(out / "outputs.json", {label: [{k: r[k] for k in ("id", "category", "prompt_tokens", "tokens")}
+                                              for r in rs] for label, rs in rows.items()})
+    return {"pass 1": len(first), "pass 2": len(second), "runs": results}
+
+
+def outputs_table(summary: dict) -> str:
+    """Markdown: tokens per round of pass 2 per category, one column per run."""
+    runs = {name: r["pass 2"] for name, r in summary["outputs_pass"]["runs"].items()}
+    names = list(runs)
+    categories = sorted({c for r in runs.values() for c in r["categories"]})
+    lines = [f"Tokens per round on {summary['outputs_pass']['pass 2']} held-out questions (pass 2), after "
+             f"{summary['outputs_pass']['pass 1']} others (pass 1) whose outputs the `outputs` runs hold; "
+             "greedy, batch 1", "", "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for c in [*categories, "overall"]:
+        cells = [runs[n]["overall"] if c == "overall" else runs[n]["categories"].get(c) for n in names]
+        lines.append(f"| {c} | " + " | ".join("-" if x is None else f"{x['tokens_per_round']:.2f}" for x in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _alone(cfg: RunConfig, per_category: int) -> dict:

@@ -132,9 +132,9 @@ def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -
                            for c, a in report["categories"].items()}}
 
 
-def tokens_only(cfg: RunConfig, per_category: int, drafter=None) -> dict:
+def tokens_only(cfg: RunConfig, per_category: int, drafter=None, results: list | None = None) -> dict:
     """Tokens per round per category (one untimed run each), and overall; ``drafter`` (default the
-    config's) may be given built."""
+    config's) may be given built; ``results`` (a list) collects the report's rows."""
     by_category = {}
     for r in prompt_records(cfg):
         by_category.setdefault(r["category"], [])
@@ -144,7 +144,10 @@ def tokens_only(cfg: RunConfig, per_category: int, drafter=None) -> dict:
     metrics = {}
     for c, rs in by_category.items():
         drop_compiled_programs()  # XLA CPU keeps every program compiled in a process
-        metrics[c] = run(cfg, target=target, drafter=drafter, records=rs, progress=False)["metrics"]
+        report = run(cfg, target=target, drafter=drafter, records=rs, progress=False)
+        metrics[c] = report["metrics"]
+        if results is not None:
+            results += report["results"]
     emitted = sum(m["emitted_tokens"] for m in metrics.values())
     rounds = sum(m["rounds"] for m in metrics.values())
     drafted = sum(m["draft_tokens"] for m in metrics.values())
