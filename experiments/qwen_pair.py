@@ -23,7 +23,7 @@ transformers (greedy, and assisted generation with the same 0.5B) on the coding 
 in a process of its own, the same way bench times it. `retrieval` replays, on the same greedy outputs,
 prompt lookup, the retrieval drafter over a datastore of this Python's standard library sources
 (tokenised with the pair's tokenizer) and the 0.5B, each at gamma 4, and the two combined: the
-retrieval chain first, the 0.5B drafting the rest of the 4 (exact for greedy, as `replay_greedy`).
+retrieval chain first, the 0.5B drafting the rest of the 4 (exact for greedy: `specdec_jax.replay`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import sys
 import numpy as np
 
 from common import RESULTS, category_bars, markdown_table, prompts_file, pyplot, recipe_questions, write_json
+
+from specdec_jax.replay import replay_drafter, replay_greedy
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 GAMMAS = (2, 3, 4)
@@ -65,25 +67,6 @@ def qwen_tokenizer():
     reader = GGUFReader(model_gguf(DRAFT))
     return BPETokenizer.from_gguf_metadata({name: field.contents() for name, field in reader.fields.items()
                                             if name.startswith("tokenizer.")})
-
-
-def replay_greedy(matches: list[bool], gamma: int) -> tuple[int, list[int], list[int]]:
-    """Greedy speculation replayed along the target's greedy output: ``matches[i]`` says whether the draft's
-    greedy token equals output token i given the output before it. A round accepts the drafts up to the first
-    mismatch (at most gamma) and emits one more token. Returns (rounds, proposed per position, accepted per
-    position). Exact for greedy decoding: a round's drafts are conditioned on the committed prefix, which is the
-    target's own output, and a draft after a match is conditioned on that same output."""
-    i, rounds, proposed, accepted = 0, 0, [0] * gamma, [0] * gamma
-    while i < len(matches):
-        k = 0
-        while k < gamma and i + k < len(matches) and matches[i + k]:
-            k += 1
-        for j in range(gamma):
-            proposed[j] += 1
-            accepted[j] += j < k
-        i += k + 1
-        rounds += 1
-    return rounds, proposed, accepted
 
 
 def draft_matches(rows) -> list[list[bool]]:
@@ -313,70 +296,22 @@ def stdlib_source() -> pathlib.Path:
     return path
 
 
-def replay_drafter(propose, rows, gamma: int, matches=None) -> list[dict]:
-    """Greedy speculation of a deterministic drafter replayed along each row's greedy output: every round
-    ``propose(tokens i32[B,T], num_tokens i32[B]) -> (drafts i32[B,gamma], num_draft i32[B])`` drafts for
-    every unfinished row from its committed prefix (prompt and output so far), the drafts are accepted up to
-    the first one the output does not have, one more token is emitted. With ``matches`` (`draft_matches`),
-    the 0.5B drafts the rest of the gamma after a chain that was wholly right (a wrong one ends the round
-    anyway, so what the 0.5B would draft after it does not matter). Per row: rounds, emitted tokens, the
-    drafter's and the 0.5B's drafts."""
-    import jax
-    import jax.numpy as jnp
-
-    sequences = [p + o for _, _, p, o in rows]
-    tokens = np.zeros((len(rows), max(map(len, sequences))), np.int32)
-    for b, seq in enumerate(sequences):
-        tokens[b, : len(seq)] = seq
-    start = np.array([len(p) for _, _, p, _ in rows])
-    pos, end = start.copy(), np.array([len(q) for q in sequences])
-    stats = [{"rounds": 0, "emitted_tokens": 0, "drafts": 0, "model_drafts": 0} for _ in rows]
-    step = jax.jit(propose)
-    while (pos < end).any():
-        drafts, num = jax.device_get(step(jnp.asarray(tokens), jnp.asarray(pos, jnp.int32)))
-        for b in np.flatnonzero(pos < end):
-            k = 0
-            while k < num[b] and pos[b] + k < end[b] and drafts[b, k] == tokens[b, pos[b] + k]:
-                k += 1
-            more = gamma - num[b] if matches is not None and k == num[b] else 0
-            mine = matches[b][pos[b] + k - start[b]:][:more] if more else []
-            k += next((i for i, m in enumerate(mine) if not m), len(mine))
-            emit = min(k + 1, end[b] - pos[b])
-            stats[b]["rounds"] += 1
-            stats[b]["emitted_tokens"] += emit
-            stats[b]["drafts"] += int(num[b])
-            stats[b]["model_drafts"] += more
-            pos[b] += emit
-    return stats
-
-
 def run_retrieval(args) -> dict:
     """Tokens per round at gamma 4 on speed.json's greedy outputs: prompt lookup, the retrieval drafter
-    over the standard library's sources, the 0.5B, the retrieval chain then the 0.5B (`replay_drafter`)."""
+    over the standard library's sources, the 0.5B, the retrieval chain then the 0.5B (`replay.replay_drafter`)."""
     from specdec_jax.datastore import load_datastore
     from specdec_jax.drafters import NgramDrafter, RetrievalDrafter
-    from specdec_jax.drafters.base import DraftContext
 
     rows = speed_rows(args.out)
     store = load_datastore([str(stdlib_source())], qwen_tokenizer())
     lookup = NgramDrafter(max_n=3, min_n=1)
     retrieval = RetrievalDrafter.from_datastore(store, lookup=lookup)
-
-    def proposer(drafter):
-        def propose(tokens, num_tokens):
-            ctx = DraftContext(tokens=tokens, num_tokens=num_tokens, prompt_lens=num_tokens, room=num_tokens,
-                               last_emit=num_tokens, last_accepted=num_tokens, features=None, keys=None,
-                               sampling=None, target_params=None, target=None)  # what these drafters read
-            proposal, _ = drafter.propose(drafter.params, None, ctx, 4)
-            return proposal.drafts, proposal.num_draft
-        return propose
-
     matches = draft_matches(rows)
-    nothing = lambda tokens, num: (np.zeros((tokens.shape[0], 4), np.int32), np.zeros(tokens.shape[0], np.int32))  # noqa: E731
-    runs = {"prompt lookup": replay_drafter(proposer(lookup), rows, 4),
-            "retrieval (stdlib)": replay_drafter(proposer(retrieval), rows, 4),
-            "0.5B": replay_drafter(nothing, rows, 4, matches),
-            "retrieval (stdlib), then the 0.5B": replay_drafter(proposer(retrieval), rows, 4, matches)}
+    pairs = [(p, o) for _, _, p, o in rows]
+    runs = {"prompt lookup": replay_drafter(lookup, pairs, 4),
+            "retrieval (stdlib)": replay_drafter(retrieval, pairs, 4),
+            "0.5B": replay_drafter(None, pairs, 4, matches),
+            "retrieval (stdlib), then the 0.5B": replay_drafter(retrieval, pairs, 4, matches)}
     return {"datastore": {**store.meta, "MiB": store.nbytes / 2**20}, "gamma": 4,
             "rows": [{"id": i, "category": c} for i, c, _, _ in rows], "runs": runs}
 

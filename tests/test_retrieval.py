@@ -33,9 +33,10 @@ from specdec_jax import datastore as ds
 from specdec_jax.audit import chi_square, continuation_codes
 from specdec_jax.cli import main
 from specdec_jax.datastore import SEP, Datastore, load_datastore, sharegpt_texts
-from specdec_jax.drafters import RetrievalDrafter
+from specdec_jax.drafters import NgramDrafter, RetrievalDrafter
 from specdec_jax.drafters.retrieval import PROBES, grow, longest_match, next_tokens, suffix_run
 from specdec_jax.engine import generate
+from specdec_jax.replay import replay_drafter, replay_greedy
 from specdec_jax.tree import TreeShape
 from test_drafters import context
 
@@ -580,6 +581,31 @@ def test_generate_with_a_datastore_folder_on_the_command_line(tmp_path, cache, c
     assert first["config"]["drafter"] == "retrieval" and first["config"]["datastore"] == [str(folder)]
     assert first["results"] == second["results"] and 1 <= len(first["results"][0]["tokens"]) <= 16
     assert first["metrics"]["draft_tokens"] > 0  # " fox ..." from the folder (no repeat in the prompt itself)
+
+
+@pytest.mark.parametrize("name", ["ngram", "chain"])
+def test_a_greedy_replay_counts_the_rounds_the_engine_runs(name):
+    """`replay.replay_drafter` along the plain greedy outputs gives each row the rounds and emitted
+    tokens the engine counts when it runs the drafter (n-gram; prompt lookup then the datastore)."""
+    drafter = NgramDrafter(max_n=3, min_n=1) if name == "ngram" else DRAFTERS["chain"](engine_store())
+    run = engine_run("chain") if name == "chain" else generate(
+        H.target(), H.RAGGED, drafter, gamma=H.GAMMA, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
+    replayed = replay_drafter(drafter, list(zip(H.RAGGED, H.reference().tokens)), H.GAMMA)
+    assert [(r["rounds"], r["emitted_tokens"]) for r in replayed] == [
+        (c["rounds"], c["emitted_tokens"]) for c in run.row_counts]
+
+
+def test_a_replayed_draft_model_extends_the_chain_where_the_output_follows_it():
+    """Closed forms: a draft model that is always right accepts gamma a round (ceil(L / (gamma + 1))
+    rounds), never right one token a round; after a chain of c right drafts it drafts gamma - c."""
+    rows = [([1, 2], list(range(10, 31)))]  # 21 output tokens, nothing to look up
+    right, wrong = [[True] * 21], [[False] * 21]
+    assert replay_drafter(None, rows, 4, right)[0] == {"rounds": 5, "emitted_tokens": 21, "drafts": 0,
+                                                       "model_drafts": 20}
+    assert replay_drafter(None, rows, 4, wrong)[0]["rounds"] == 21
+    assert replay_greedy(right[0], 4)[0] == 5 and replay_greedy(wrong[0], 4)[0] == 21
+    repeat = [([5, 6, 7, 8], [5, 6, 7, 8, 5, 6, 7, 8])]  # 5 | 6 7 8 5 + 6 (prompt lookup) | 7 8
+    assert replay_drafter(NgramDrafter(max_n=3, min_n=1), repeat, 4, [[False] * 8])[0]["rounds"] == 3
 
 
 # ----------------------------------------------------------------------------
