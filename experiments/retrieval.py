@@ -99,9 +99,10 @@ def main(argv=None) -> int:
         (args.out / "table.md").write_text(outputs_table(summary))
         print(outputs_table(summary))
         return 0
-    summary["lookup_cost"] = {name: lookup_cost(dataclasses.replace(base, **_fields(fields, datastore)), target)
-                              for name, fields in RUNS.items() if "alone" not in fields}
-    write_json(summary_path, summary)
+    if "lookup_cost" not in summary:  # timed once per --out folder (later runs may add temperatures)
+        summary["lookup_cost"] = {name: lookup_cost(dataclasses.replace(base, **_fields(fields, datastore)), target)
+                                  for name, fields in RUNS.items() if "alone" not in fields}
+        write_json(summary_path, summary)
     with prompts_file(recipe_questions("heldout")) as prompts:  # Spec-Bench text is read at run time, never committed
         for temperature in args.temperatures:
             for name, fields in (RUNS if args.tokens_only else TIMED).items():
