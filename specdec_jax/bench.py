@@ -48,6 +48,7 @@ import functools
 import math
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +114,11 @@ def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capa
 
 
 def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True,
-          peer: str | None = None) -> dict:
+          peer: str | None = None, on_batch: Callable[[dict], None] | None = None) -> dict:
     """Runs the benchmark; returns the JSON-ready report (also printed as tables by the CLI).
+
+    on_batch, if given, receives the report of the prompts finished so far after each batch (its
+    "complete" is False until the last): the CLI writes it to --json, so a stopped run keeps them.
 
     peer="hf" also times transformers greedy decoding and, beside our drafter, its counterpart (`peer_mode`:
     prompt-lookup decoding with prompt_lookup_num_tokens = gamma, or assisted generation with the same draft
@@ -148,6 +152,8 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     tok = target.tokenizer
     stops = stop_ids(cfg, tok)
     gamma = cfg.effective_gamma  # a tree's node count
+    bandwidth = memory_bandwidth()
+    param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
     rows = []
     batches = [records[i : i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
     for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress,
@@ -186,9 +192,9 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
                 result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
                 result["same_as_plain"] = tokens == plain.tokens[0]
         rows.append(row)
-    bandwidth = memory_bandwidth()
-    param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
-    return _report(cfg, rows, bandwidth, param_bytes, repeats)
+        if on_batch is not None and len(rows) < len(batches):
+            on_batch(_report(cfg, rows, bandwidth, param_bytes, repeats, complete=False))
+    return _report(cfg, rows, bandwidth, param_bytes, repeats, complete=True)
 
 
 def peer_mode(cfg: RunConfig) -> str:
@@ -330,7 +336,8 @@ def _aggregate_peer(rows: list[dict], plain_rate: float, spec_rate: float) -> di
     return out
 
 
-def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int, repeats: int) -> dict:
+def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int, repeats: int,
+            complete: bool) -> dict:
     by_category = collections.defaultdict(list)
     for r in rows:
         by_category[r["categories"][0] if len(set(r["categories"])) == 1 else "mixed"].append(r)
@@ -339,6 +346,7 @@ def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int
     plain_step_s = cfg.batch_size / overall["plain_tokens_per_s"]  # one target step emits a token per row
     return {
         "config": cfg.to_dict(),
+        "complete": complete,  # False: a stopped run's finished prompts only
         "repeats": repeats,
         "device": str(jax.devices()[0]),
         "jax": jax.__version__,

@@ -151,7 +151,16 @@ def _bench(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.per_category is not None and args.per_category < 1:
         raise ValueError(f"--per-category must be >= 1 prompts, got {args.per_category}")
-    report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer)
+    finished = [0]  # prompt batches in --json so far
+
+    def keep_finished(report: dict) -> None:
+        files.write_json(args.json, report)
+        finished[0] = len(report["batches"])
+
+    interrupts.keep(lambda: f"{finished[0]} finished prompt batches in {args.json} (\"complete\": false)" if finished[0]
+                    else "nothing (--json keeps the finished prompts of a stopped bench)")
+    report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer,
+                   on_batch=keep_finished if args.json else None)
     print(format_report(report))
     if args.json:
         write_json(args.json, report)

@@ -9,11 +9,13 @@ time and speedup is then a number computed here, from scratch.
 
 import json
 import math
+import threading
 
 import pytest
 
 import engine_helpers as H
 from specdec_jax import bench as bench_module
+from specdec_jax import interrupts
 from specdec_jax import engine
 from specdec_jax.bench import _subsample, bench, format_report
 from specdec_jax.cli import main
@@ -141,6 +143,39 @@ def test_subsample_keeps_first_n_per_category():
 def test_bench_without_a_drafter_is_a_clean_error(capsys):
     assert main(["bench", "--model", "tiny-random", "--drafter", "none", "--prompt", "x"]) == 2
     assert "bench compares a drafter" in capsys.readouterr().err
+
+
+def test_a_stopped_bench_keeps_its_finished_prompts_in_its_json(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the second of three prompts: --json holds the first prompt's batch, marked incomplete,
+    and the stop's one line says so; an uninterrupted run marks its report complete."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]})
+                                 for i, t in enumerate(["abc abc abc", "xyz xyz", "tell me"])))
+    monkeypatch.setattr(bench_module, "time_target_pass", lambda run, width: T_BY_WIDTH[width])
+    monkeypatch.setattr(bench_module, "time_draft_step", lambda run: DRAFT_STEP)
+    monkeypatch.setattr(interrupts, "_finished", threading.Event())  # this process may have printed a stop before
+    compare_rows = bench_module.compare_rows
+    calls = []
+
+    def stop_in_the_second_batch(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return compare_rows(*args)
+
+    monkeypatch.setattr(bench_module, "compare_rows", stop_in_the_second_batch)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "tiny-random", "--raw", "--ignore-eos", "--max-new-tokens", "4", "--gamma", "4",
+            "--repeats", "1", "--prompts-file", str(prompts), "--json", str(out)]
+    assert main(argv) == 130
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and [b["ids"] for b in kept["batches"]] == [[0]]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f'specdec-jax: bench stopped by SIGINT; kept: 1 finished prompt batches in {out} ("complete": false)')
+    monkeypatch.setattr(bench_module, "compare_rows", compare_rows)
+    assert main(argv) == 0
+    full = json.loads(out.read_text())
+    assert full["complete"] is True and [b["ids"] for b in full["batches"]] == [[0], [1], [2]]
 
 
 TREE_DRAFTERS = {"ngram": lambda tmp: {}, "draft-model": lambda tmp: {"draft_model": "tiny-random-draft"},
