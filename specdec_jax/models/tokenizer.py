@@ -86,6 +86,11 @@ class BPETokenizer:
         self.chat_template = chat_template
 
     @property
+    def backend(self):
+        """The wrapped `tokenizers.Tokenizer` (its vocabulary and decoder, e.g. for grammar tables)."""
+        return self._tok
+
+    @property
     def identity(self) -> str:
         """Names the tokenization (sha256 of the serialized tokenizer and the stop ids)."""
         text = self._tok.to_str() + repr(self.stop_ids)
