@@ -1,0 +1,95 @@
+"""Grammar constraints on device: a row's grammar state, and the tokens allowed along candidate paths.
+
+`stack_grammars` puts the tables of several constraints (`constraints.GrammarTables`, one per
+distinct constraint of a batch) into one `DeviceGrammar`, beside a free grammar for rows without a
+constraint, so that a row's grammar is nothing but its state, an ``i32`` into one shared table
+(docs/constraints.md):
+
+- states: the free grammar's single state is `FREE` (0); constraint k's states follow, offset by
+  the states before them;
+- token classes: a token's class is the tuple of its classes under every constraint (and "any"
+  under the free grammar), numbered densely, so one ``token_class i32[V]`` serves every row;
+- ``next_state[s, c]``: the state after a token of class ``c`` in state ``s`` (-1: not allowed).
+
+`allowed` gives a row's mask in one gather, `advance` moves it by a token, and `path_states` gives
+the state after every input of a verify pass ``[t0, candidates]`` (a chain, or a tree by its
+parents), each reached along that input's own path. A candidate that its state does not allow has
+state -1, and so has every input below it; `allowed` treats -1 as the free grammar, so the laws at
+those inputs stay finite. They are never used: the target's law gives such a candidate probability
+0, so verification stops at it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import tree
+from specdec_jax.constraints import NEVER, GrammarTables
+
+FREE = 0  # the free grammar's state: every token allowed, always accepting
+DEAD = -1  # the state after a token its state does not allow
+
+
+class DeviceGrammar(NamedTuple):
+    """Stacked grammar tables (module docstring); a pytree of device arrays."""
+
+    token_class: jax.Array  # i32[V]: the joint class of each token id
+    next_state: jax.Array  # i32[S,C]: the state after a token of class c in state s; -1: not allowed
+    accepting: jax.Array  # bool[S]: the text so far is a whole match (FREE: always)
+    initial: jax.Array  # i32[K+1]: the initial state of each grammar (0: the free one)
+
+
+def stack_grammars(tables: Sequence[GrammarTables], vocab_size: int) -> DeviceGrammar:
+    """The free grammar (index 0) and ``tables`` (index k + 1) as one `DeviceGrammar` over
+    ``vocab_size`` token ids (the logits' width: ids past a table's vocabulary are in its NEVER class)."""
+    per_grammar = np.zeros((len(tables) + 1, vocab_size), np.int64)  # row 0: the free grammar's one class
+    for k, t in enumerate(tables, start=1):
+        if t.token_class.size > vocab_size:
+            raise ValueError(f"a grammar over {t.token_class.size} tokens does not fit {vocab_size} logits")
+        per_grammar[k, : t.token_class.size] = t.token_class
+        per_grammar[k, t.token_class.size :] = NEVER
+    joint, token_class = np.unique(per_grammar, axis=1, return_inverse=True)  # [K+1, C]: each class's classes
+    offsets = np.cumsum([1] + [t.num_states for t in tables])  # first global state of each table
+    next_state = [np.zeros((1, joint.shape[1]), np.int32)]  # FREE -> FREE on every class
+    for k, t in enumerate(tables, start=1):
+        local = t.next_state[:, joint[k]]  # i32[S_k, C]
+        next_state.append(np.where(local >= 0, local + offsets[k - 1], DEAD).astype(np.int32))
+    accepting = np.concatenate([[True], *(t.accepting for t in tables)])
+    initial = np.array([FREE] + [offsets[k] + t.initial for k, t in enumerate(tables)], np.int32)
+    return DeviceGrammar(jnp.asarray(token_class.reshape(-1), jnp.int32), jnp.asarray(np.concatenate(next_state)),
+                         jnp.asarray(accepting), jnp.asarray(initial))
+
+
+def allowed(grammar: DeviceGrammar, states: jax.Array) -> jax.Array:
+    """``bool[..., V]``: the tokens allowed in ``states`` (i32[...]; DEAD counts as FREE)."""
+    rows = grammar.next_state[jnp.where(states == DEAD, FREE, states)]  # i32[..., C]
+    return jnp.take(rows, grammar.token_class, axis=-1) >= 0
+
+
+def advance(grammar: DeviceGrammar, states: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``i32[...]``: the states after ``tokens`` (i32[...]) in ``states``; DEAD where a token is not
+    allowed, and where the state already was DEAD."""
+    after = grammar.next_state[jnp.maximum(states, 0), grammar.token_class[tokens]]
+    return jnp.where(states == DEAD, DEAD, after)
+
+
+def path_states(grammar: DeviceGrammar, states: jax.Array, candidates: jax.Array,
+                parents: jax.Array | None = None) -> jax.Array:
+    """``i32[B,N+1]``: the state after each input of ``[t0, candidates]``, where ``states`` (i32[B])
+    is the state after t0 and ``candidates`` (i32[B,N]) are a chain, or a tree's nodes with
+    ``parents`` (i32[B,N], `tree.ROOT` for a child of t0; parents come before their children)."""
+    batch, nodes = candidates.shape
+    out = jnp.zeros((batch, nodes + 1), jnp.int32).at[:, 0].set(states)
+    parent_input = (jnp.broadcast_to(jnp.arange(nodes), (batch, nodes)) if parents is None
+                    else jnp.where(parents == tree.ROOT, 0, parents + 1))  # i32[B,N] verify input of the parent
+
+    def step(c, out):
+        before = jnp.take_along_axis(out, jax.lax.dynamic_slice_in_dim(parent_input, c, 1, axis=1), axis=1)[:, 0]
+        return out.at[:, c + 1].set(advance(grammar, before, candidates[:, c]))
+
+    return jax.lax.fori_loop(0, nodes, step, out)
