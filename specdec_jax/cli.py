@@ -158,6 +158,7 @@ def _bench(args) -> int:
         finished[0] = len(report["batches"])
 
     interrupts.keep(lambda: f"{finished[0]} finished prompt batches in {args.json} (\"complete\": false)" if finished[0]
+                    else "nothing (no prompt batch had finished)" if args.json
                     else "nothing (--json keeps the finished prompts of a stopped bench)")
     report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer,
                    on_batch=keep_finished if args.json else None)
