@@ -583,6 +583,17 @@ def test_generate_with_a_datastore_folder_on_the_command_line(tmp_path, cache, c
     assert first["metrics"]["draft_tokens"] > 0  # " fox ..." from the folder (no repeat in the prompt itself)
 
 
+def test_demo_with_a_datastore_folder_matches_plain_decoding(tmp_path, cache, capsys):
+    """`demo --drafter retrieval --datastore FOLDER` runs the drafter beside plain decoding; same output."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "notes.md").write_text("The quick brown fox jumps over the lazy dog. " * 3)
+    assert main(["demo", "--model", "tiny-random", "--raw", "--drafter", "retrieval", "--datastore", str(folder),
+                 "--gamma", "4", "--prompt", "The quick brown", "--max-new-tokens", "12"]) == 0
+    row = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("prompt-0 ")]
+    assert row and row[-1][-1] == "yes", row  # the summary's "same" column
+
+
 @pytest.mark.parametrize("name", ["ngram", "chain"])
 def test_a_greedy_replay_counts_the_rounds_the_engine_runs(name):
     """`replay.replay_drafter` along the plain greedy outputs gives each row the rounds and emitted

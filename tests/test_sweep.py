@@ -23,8 +23,12 @@ SMOKE = {"model": "tiny-random", "max_new_tokens": 3, "batch_size": 2, "prompt":
 
 def smoke(cfg, tmp_path):
     """The config on tiny-random with a tiny budget (draft models become tiny-random-draft, EAGLE and
-    Medusa heads random heads for tiny-random)."""
+    Medusa heads random heads for tiny-random, a retrieval datastore a folder of one small file)."""
     changes = dict(SMOKE)
+    if cfg.datastore:
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "notes.txt").write_text("hi there, abcabc again")
+        changes["datastore"] = (str(tmp_path / "docs"),)
     if cfg.drafter in ("eagle", "medusa"):
         changes["draft_model"] = H.random_head(cfg.drafter, tmp_path / "head")
     elif cfg.draft_model:
@@ -33,13 +37,15 @@ def smoke(cfg, tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
-def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path, tmp_path):
+def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path, tmp_path, monkeypatch):
     if "grid" in load_raw(path):
         keys, configs = load_sweep(path)
         assert keys and configs
         cfg = configs[-1]
     else:
         cfg = resolve(load_yaml(path), {}, where=str(path))
+    if cfg.datastore:
+        monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the folder's index
     report = runner.run(smoke(cfg, tmp_path), progress=False)
     assert [len(r["tokens"]) for r in report["results"]] == [3, 3]
     assert report["config"]["drafter"] == cfg.drafter and report["config"]["gamma"] == cfg.gamma
