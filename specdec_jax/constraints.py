@@ -57,10 +57,10 @@ import zipfile
 import numpy as np
 
 from specdec_jax.files import replacing
+from specdec_jax.grammar import FIRST_TEXT_CLASS, NEVER, STOP  # token classes (module docstring)
 from specdec_jax.models.fetch import cache_dir
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
-NEVER, STOP, FIRST_TEXT_CLASS = 0, 1, 2  # token classes (module docstring)
 TABLES_FORMAT = "grammar-tables-v1"  # part of the cache key: a change of layout builds again
 SHOWN_PATTERN = 80  # characters of a regex quoted in an error line
 END, END_PATTERN = "\U0010ffff", r"\x{10FFFF}"  # the end marker after the regex (module docstring)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import tree
-from specdec_jax.constraints import NEVER, GrammarTables
 
+NEVER, STOP, FIRST_TEXT_CLASS = 0, 1, 2  # a table's token classes (docs/constraints.md)
 FREE = 0  # the free grammar's state: every token allowed, always accepting
 DEAD = -1  # the state after a token its state does not allow
 
@@ -44,8 +44,9 @@ class DeviceGrammar(NamedTuple):
     initial: jax.Array  # i32[K+1]: the initial state of each grammar (0: the free one)
 
 
-def stack_grammars(tables: Sequence[GrammarTables], vocab_size: int) -> DeviceGrammar:
-    """The free grammar (index 0) and ``tables`` (index k + 1) as one `DeviceGrammar` over
+def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
+    """The free grammar (index 0) and ``tables`` (`constraints.GrammarTables`, built on the host; index
+    k + 1) as one `DeviceGrammar` over
     ``vocab_size`` token ids (the logits' width: ids past a table's vocabulary are in its NEVER class)."""
     per_grammar = np.zeros((len(tables) + 1, vocab_size), np.int64)  # row 0: the free grammar's one class
     for k, t in enumerate(tables, start=1):
