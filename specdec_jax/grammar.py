@@ -46,8 +46,8 @@ class DeviceGrammar(NamedTuple):
 
 def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
     """The free grammar (index 0) and ``tables`` (`constraints.GrammarTables`, built on the host; index
-    k + 1) as one `DeviceGrammar` over
-    ``vocab_size`` token ids (the logits' width: ids past a table's vocabulary are in its NEVER class)."""
+    k + 1) as one `DeviceGrammar` over ``vocab_size`` token ids (the logits' width: ids past a table's
+    vocabulary are in its NEVER class)."""
     per_grammar = np.zeros((len(tables) + 1, vocab_size), np.int64)  # row 0: the free grammar's one class
     for k, t in enumerate(tables, start=1):
         if t.token_class.size > vocab_size:
