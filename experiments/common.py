@@ -6,6 +6,7 @@
   (never into the repository): `spec_bench_subset` (the first questions of every category) and
   `recipe_questions` + `prompts_file` (the recipes' training or held-out split, optionally only
   some categories or prompts of at most so many tokens);
+- `gguf_tokenizer`: a registry model's tokenizer from its GGUF metadata alone;
 - the drafters the recipes leave in the cache (`HEAD_CONFIGS`, `run_folder`, `standalone_draft`,
   `cached_draft_model`), so that `--draft-model` can be left out.
 """
@@ -184,3 +185,16 @@ def cached_draft_model(drafter: str) -> str | None:
             raise SystemExit("no standalone draft in the cache: `python experiments/train_draft_recipe.py` trains one")
         return str(draft)
     return None
+
+
+def gguf_tokenizer(model: str):
+    """The tokenizer of registry model ``model`` (a GGUF one) from the GGUF metadata alone: the file is
+    fetched if needed, no weights are converted or loaded."""
+    from gguf import GGUFReader
+
+    from specdec_jax.models.fetch import model_gguf
+    from specdec_jax.models.tokenizer import BPETokenizer
+
+    reader = GGUFReader(model_gguf(model))
+    return BPETokenizer.from_gguf_metadata({name: field.contents() for name, field in reader.fields.items()
+                                            if name.startswith("tokenizer.")})

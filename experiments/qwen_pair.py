@@ -35,7 +35,8 @@ import sys
 
 import numpy as np
 
-from common import RESULTS, category_bars, markdown_table, prompts_file, pyplot, recipe_questions, write_json
+from common import (RESULTS, category_bars, gguf_tokenizer, markdown_table, prompts_file, pyplot, recipe_questions,
+                    write_json)
 
 from specdec_jax.replay import replay_drafter, replay_greedy
 
@@ -59,14 +60,7 @@ def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
 
 def qwen_tokenizer():
     """The pair's tokenizer from the GGUF metadata alone (no weights loaded)."""
-    from gguf import GGUFReader
-
-    from specdec_jax.models.fetch import model_gguf
-    from specdec_jax.models.tokenizer import BPETokenizer
-
-    reader = GGUFReader(model_gguf(DRAFT))
-    return BPETokenizer.from_gguf_metadata({name: field.contents() for name, field in reader.fields.items()
-                                            if name.startswith("tokenizer.")})
+    return gguf_tokenizer(DRAFT)
 
 
 def draft_matches(rows) -> list[list[bool]]:
