@@ -17,6 +17,7 @@ import os
 import pathlib
 import tempfile
 import time
+from unittest import mock
 
 from common import RESULTS, gguf_tokenizer, markdown_table, write_json
 
@@ -43,9 +44,8 @@ def measure(tokenizer) -> dict:
     """{constraint name: {states, classes, bytes, dense_bytes, build_s, load_s}} in a fresh temporary cache."""
     from specdec_jax.constraints import Constraint, compile_constraint
 
-    out, saved = {}, os.environ.get("SPECDEC_CACHE")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["SPECDEC_CACHE"] = cache
+    out = {}
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"SPECDEC_CACHE": cache}):
         for name, fields in CONSTRAINTS.items():
             start = time.perf_counter()
             tables = compile_constraint(Constraint(**fields), tokenizer)
@@ -55,10 +55,6 @@ def measure(tokenizer) -> dict:
                          "dense_bytes": 4 * tables.num_states * tokenizer.vocab_size,
                          "build_s": built - start, "load_s": time.perf_counter() - built}
             print(name, out[name], flush=True)
-    if saved is None:
-        del os.environ["SPECDEC_CACHE"]
-    else:
-        os.environ["SPECDEC_CACHE"] = saved
     return out
 
 

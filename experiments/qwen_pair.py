@@ -48,7 +48,7 @@ TEMPERATURES = (0.0, 0.7)
 def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
     """The first `--per-category` held-out questions of each category and `--extra-coding` more coding ones,
     optionally only those of at most `max_prompt_tokens` tokens under the chat template."""
-    tokenizer = qwen_tokenizer() if max_prompt_tokens else None
+    tokenizer = gguf_tokenizer(DRAFT) if max_prompt_tokens else None
     pick = lambda **kw: recipe_questions("heldout", max_prompt_tokens=max_prompt_tokens,  # noqa: E731
                                          tokenizer=tokenizer, **kw)
     chosen = pick(per_category=args.per_category)
@@ -56,11 +56,6 @@ def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
         have = {q["question_id"] for q in chosen}
         chosen += [q for q in pick(categories=["coding"]) if q["question_id"] not in have][: args.extra_coding]
     return chosen
-
-
-def qwen_tokenizer():
-    """The pair's tokenizer from the GGUF metadata alone (no weights loaded)."""
-    return gguf_tokenizer(DRAFT)
 
 
 def draft_matches(rows) -> list[list[bool]]:
@@ -241,7 +236,7 @@ def run_peer(args) -> dict:
 
     speed = json.loads((args.out / "speed.json").read_text())
     ids = [i for r in speed["batches"] for i, c in zip(r["ids"], r["categories"]) if c == "coding"][: args.peer_prompts]
-    tokenizer = qwen_tokenizer()
+    tokenizer = gguf_tokenizer(DRAFT)
     by_id = {q["question_id"]: q for q in recipe_questions("heldout", categories=["coding"])}
     hf = HFPeer(TARGET, DRAFT)
     rows = []
@@ -297,7 +292,7 @@ def run_retrieval(args) -> dict:
     from specdec_jax.drafters import NgramDrafter, RetrievalDrafter
 
     rows = speed_rows(args.out)
-    store = load_datastore([str(stdlib_source())], qwen_tokenizer())
+    store = load_datastore([str(stdlib_source())], gguf_tokenizer(DRAFT))
     lookup = NgramDrafter(max_n=3, min_n=1)
     retrieval = RetrievalDrafter.from_datastore(store, lookup=lookup)
     matches = draft_matches(rows)

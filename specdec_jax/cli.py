@@ -151,13 +151,14 @@ def _bench(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.per_category is not None and args.per_category < 1:
         raise ValueError(f"--per-category must be >= 1 prompts, got {args.per_category}")
-    finished = [0]  # prompt batches in --json so far
+    finished = 0  # prompt batches in --json so far
 
     def keep_finished(report: dict) -> None:
+        nonlocal finished
         files.write_json(args.json, report)
-        finished[0] = len(report["batches"])
+        finished = len(report["batches"])
 
-    interrupts.keep(lambda: f"{finished[0]} finished prompt batches in {args.json} (\"complete\": false)" if finished[0]
+    interrupts.keep(lambda: f"{finished} finished prompt batches in {args.json} (\"complete\": false)" if finished
                     else "nothing (no prompt batch had finished)" if args.json
                     else "nothing (--json keeps the finished prompts of a stopped bench)")
     report = bench(config_from_args(args), repeats=args.repeats, per_category=args.per_category, peer=args.peer,

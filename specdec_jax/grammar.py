@@ -48,12 +48,12 @@ def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
     """The free grammar (index 0) and ``tables`` (`constraints.GrammarTables`, built on the host; index
     k + 1) as one `DeviceGrammar` over ``vocab_size`` token ids (the logits' width: ids past a table's
     vocabulary are in its NEVER class)."""
-    per_grammar = np.zeros((len(tables) + 1, vocab_size), np.int64)  # row 0: the free grammar's one class
+    # row 0: the free grammar's one class; ids past a table's vocabulary keep NEVER (0)
+    per_grammar = np.full((len(tables) + 1, vocab_size), NEVER, np.int64)
     for k, t in enumerate(tables, start=1):
         if t.token_class.size > vocab_size:
             raise ValueError(f"a grammar over {t.token_class.size} tokens does not fit {vocab_size} logits")
         per_grammar[k, : t.token_class.size] = t.token_class
-        per_grammar[k, t.token_class.size :] = NEVER
     joint, token_class = np.unique(per_grammar, axis=1, return_inverse=True)  # [K+1, C]: each class's classes
     offsets = np.cumsum([1] + [t.num_states for t in tables])  # first global state of each table
     next_state = [np.zeros((1, joint.shape[1]), np.int32)]  # FREE -> FREE on every class
