@@ -15,10 +15,15 @@ call: an XLA compile takes minutes for the Qwen pair), or a second signal comes,
 the watcher prints the line itself and ends the process at once (`os._exit`):
 every report, log line, cache and checkpoint is written to a temporary name and
 renamed, so nothing half-written is left under a name a later run trusts.
+
+Inside `deferred()` a first signal is recorded but its KeyboardInterrupt waits
+for the end of the block: orbax logs an interrupt raised inside its checkpoint
+finalize as a failure of its own, traceback and all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -32,6 +37,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []  # the signal that stopped the run
 _finished = threading.Event()  # the main thread has printed the line: the waiter must not
 _kept: list[Callable[[], str]] = [lambda: "nothing"]  # what a stop leaves behind, for the one line
+_deferring: list[bool] = []  # one entry per open `deferred()` block
 
 
 def keep(describe: Callable[[], str]) -> None:
@@ -62,6 +68,18 @@ def stopped(command: str) -> int:
     return exit_code()
 
 
+@contextlib.contextmanager
+def deferred():
+    """A block a stop does not cut: a first signal inside it raises KeyboardInterrupt at its end (module docstring)."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if _received and not _deferring:
+        raise KeyboardInterrupt
+
+
 def install(command: str) -> None:
     """Route SIGINT and SIGTERM of this process to a clean stop of ``command`` (module docstring)."""
     read_fd, write_fd = os.pipe()
@@ -71,7 +89,8 @@ def install(command: str) -> None:
     def handler(signum, frame):
         if not _received:  # the first signal stops the main thread; the watcher handles any later one
             _received.append(signum)
-            raise KeyboardInterrupt
+            if not _deferring:
+                raise KeyboardInterrupt
 
     for signum in SIGNALS:
         signal.signal(signum, handler)

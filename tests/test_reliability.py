@@ -112,6 +112,26 @@ def test_sigint_stops_a_sweep_keeping_its_finished_points_and_a_training_keeping
     assert "the checkpoint of step" in line and "--resume" in line, line
 
 
+def test_a_signal_inside_a_deferred_block_stops_at_its_end():
+    """A SIGINT inside `interrupts.deferred()` (orbax's checkpoint finalize) lets the block finish, then
+    stops with the one line: an interrupt raised inside orbax's join was logged with a traceback."""
+    script = ("import os, signal, sys\n"
+              "from specdec_jax import interrupts\n"
+              "interrupts.install('train-draft')\n"
+              "try:\n"
+              "    with interrupts.deferred():\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "        sum(range(10**6))\n"
+              "        print('block finished', flush=True)\n"
+              "    print('after the block', flush=True)\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(interrupts.stopped('train-draft'))\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 130, child.stderr
+    assert child.stdout == "block finished\n"
+    assert child.stderr == "specdec-jax: train-draft stopped by SIGINT; kept: nothing\n"
+
+
 def test_chunked_loop_equals_one_call(monkeypatch):
     """The loop run in chunks of a few rounds (a stop is seen between them) emits exactly what one call does,
     ragged rows and speculation included."""

@@ -33,6 +33,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from specdec_jax import interrupts
 from specdec_jax.data import spec_bench_questions
 from specdec_jax.distill.chitchat import chitchat_records
 from specdec_jax.distill.config import TrainConfig
@@ -155,10 +156,12 @@ def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, sto
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 if (step + 1) % tc.save_every == 0 or step + 1 in (last, tc.steps):
-                    _save(manager, step + 1, tc, trainable, opt_state)
+                    with interrupts.deferred():
+                        _save(manager, step + 1, tc, trainable, opt_state)
         finally:  # an interrupt too: the checkpoint being written completes, orbax's threads end
-            manager.wait_until_finished()
-            manager.close()
+            with interrupts.deferred():
+                manager.wait_until_finished()
+                manager.close()
     done = last == tc.steps
     summary = {"steps": last, "finished": done, "out": str(out)}
     if done:

@@ -19,6 +19,7 @@ import pathlib
 
 import numpy as np
 
+from specdec_jax import interrupts
 from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, eagle_shapes
 from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_shapes
 from specdec_jax.models.llama import LAYOUT, from_in_out_layout
@@ -39,8 +40,9 @@ def save_head(folder: str | pathlib.Path, kind: str, config, arrays: dict, targe
     folder.mkdir(parents=True, exist_ok=True)
     (folder / HEAD_MARKER).unlink(missing_ok=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(folder / "params", {k: np.asarray(v) for k, v in arrays.items()}, force=True)
-    checkpointer.wait_until_finished()
+    with interrupts.deferred():
+        checkpointer.save(folder / "params", {k: np.asarray(v) for k, v in arrays.items()}, force=True)
+        checkpointer.wait_until_finished()
     marker = {"kind": kind, "config": dataclasses.asdict(config), "target": target, "layout": LAYOUT,
               "info": info or {}}
     (folder / HEAD_MARKER).write_text(json.dumps(marker, indent=1, default=lambda x: x.tolist()))

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from specdec_jax import interrupts
 from specdec_jax.files import write_text_atomic
 from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
 from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout
@@ -91,8 +92,9 @@ def save_model_dir(folder: str | pathlib.Path, loaded: LoadedModel, info: dict |
     folder.mkdir(parents=True, exist_ok=True)
     (folder / MODEL_DIR_MARKER).unlink(missing_ok=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(folder / "params", loaded.model.arrays(), force=True)
-    checkpointer.wait_until_finished()
+    with interrupts.deferred():
+        checkpointer.save(folder / "params", loaded.model.arrays(), force=True)
+        checkpointer.wait_until_finished()
     if isinstance(loaded.tokenizer, ByteTokenizer):
         kind = "byte"
     else:
@@ -289,8 +291,9 @@ def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.nd
     config, arrays, meta = convert()
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
-    checkpointer.save((folder / "params").resolve(), arrays, force=True)
-    checkpointer.wait_until_finished()
+    with interrupts.deferred():
+        checkpointer.save((folder / "params").resolve(), arrays, force=True)
+        checkpointer.wait_until_finished()
     write_text_atomic(meta_file, json.dumps(meta, default=_jsonable))
     write_text_atomic(config_file, json.dumps(dataclasses.asdict(config)))  # last: the entry is complete
     return config, arrays, meta
