@@ -61,8 +61,8 @@ from specdec_jax.config import RunConfig
 from specdec_jax.datastore import OUTPUTS
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
-from specdec_jax.runner import (build_drafter, drop_compiled_programs, encode, format_rate, one_device_only,
-                                prompt_records, sampling_params, shape_label, stop_ids)
+from specdec_jax.runner import (build_drafter, constraint_tables, drop_compiled_programs, encode, format_rate,
+                                one_device_only, prompt_records, sampling_params, shape_label, stop_ids)
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -150,7 +150,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     drafter = build_drafter(cfg, target)
     records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
-    stops = stop_ids(cfg, tok)
+    stops, grammar = stop_ids(cfg, tok), constraint_tables(cfg, tok)
     gamma = cfg.effective_gamma  # a tree's node count
     bandwidth = memory_bandwidth()
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
@@ -164,10 +164,11 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         def run(g, max_new):
             return engine.generate(
                 target, prompts, drafter if g else None, gamma=g, sampling=sampling_params(cfg),
-                max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity,
+                max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity, grammars=grammar,
             )
 
-        compile_s = {g: run(g, 1).wall_s for g in (0, gamma)}
+        first = 1 if grammar is None else max(1, grammar.shortest_match)  # a budget the constraint fits
+        compile_s = {g: run(g, first).wall_s for g in (0, gamma)}
         walls, decodes, results = {0: [], gamma: []}, {0: [], gamma: []}, {}
         for _ in range(repeats):
             for g in (0, gamma):

@@ -57,6 +57,8 @@ FLAG_HELP = {
     "tree_depth": "deepest tree node (default 4 with a tree)",
     "tree_topk": "children per expanded node: n-gram matches, draft/EAGLE top-k, Medusa ranks (default 2 with a tree)",
     "tree_choices": "a static tree for medusa: JSON list of top-k rank paths, Medusa's format",
+    "regex": "every output fully matches this regex (outlines-core syntax; docs/constraints.md)",
+    "json_schema": "every output is JSON valid against the JSON schema in this file",
 }
 
 

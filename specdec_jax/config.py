@@ -63,6 +63,8 @@ class RunConfig:
     tree_depth: int | None = None
     tree_topk: int | None = None
     tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
+    regex: str | None = None  # every output matches this regex (docs/constraints.md)
+    json_schema: str | None = None  # every output is JSON valid against the schema in this file
 
     def __post_init__(self):
         check_fields(self, {"mesh": "'data=4,model=2'"})  # types first (specdec_jax.typed): raw "false" is not true
@@ -99,6 +101,8 @@ class RunConfig:
             if self.batch_size % data:
                 raise ValueError(f"mesh {self.mesh!r}: the data axis ({data}) does not divide batch_size "
                                  f"{self.batch_size}")
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("regex and json_schema exclude each other: a constraint is one of them")
         if self.drafter == "none":  # plain decoding: record the gamma that really runs
             object.__setattr__(self, "gamma", 0)
         self._check_tree()

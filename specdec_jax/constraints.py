@@ -47,6 +47,7 @@ entry that is unreadable, holds another key or breaks the layout is built again,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -57,7 +58,7 @@ import zipfile
 import numpy as np
 
 from specdec_jax.files import replacing
-from specdec_jax.grammar import FIRST_TEXT_CLASS, NEVER, STOP  # token classes (module docstring)
+from specdec_jax.grammar import FIRST_TEXT_CLASS, NEVER, STOP, tokens_to_accept  # token classes (module docstring)
 from specdec_jax.models.fetch import cache_dir
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
@@ -134,6 +135,11 @@ class GrammarTables:
     def nbytes(self) -> int:
         """Bytes of the three arrays (``4 V + 4 S C + S``)."""
         return self.token_class.nbytes + self.next_state.nbytes + self.accepting.nbytes
+
+    @functools.cached_property
+    def shortest_match(self) -> int:
+        """The fewest tokens of a whole match."""
+        return int(tokens_to_accept(self.next_state, self.accepting)[self.initial])
 
     def allowed(self, state: int) -> np.ndarray:
         """``bool[V]``: the tokens allowed in ``state``."""

@@ -17,6 +17,12 @@ parents), each reached along that input's own path. A candidate that its state d
 state -1, and so has every input below it; `allowed` treats -1 as the free grammar, so the laws at
 those inputs stay finite. They are never used: the target's law gives such a candidate probability
 0, so verification stops at it.
+
+Budget. ``distance[s]`` is the fewest tokens from state ``s`` to a whole match. Given the tokens a
+row may still emit after a position (``remaining``), `allowed` also refuses a token whose next state
+is farther from a match than that: a row that reaches its token budget ends on a whole match (the
+law at each position is the grammar's, restricted to texts that fit the budget; where nothing
+would fit, the grammar's alone, so a law is never empty).
 """
 
 from __future__ import annotations
@@ -42,6 +48,27 @@ class DeviceGrammar(NamedTuple):
     next_state: jax.Array  # i32[S,C]: the state after a token of class c in state s; -1: not allowed
     accepting: jax.Array  # bool[S]: the text so far is a whole match (FREE: always)
     initial: jax.Array  # i32[K+1]: the initial state of each grammar (0: the free one)
+    distance: jax.Array  # i32[S]: the fewest tokens from a state to an accepting one (module docstring)
+    stop_class: jax.Array  # bool[C]: the classes of stop tokens (`STOP` in a table)
+
+
+class RowGrammar(NamedTuple):
+    """What a round needs of a batch's grammar: the tables, each row's state after its newest committed
+    token, and the tokens each row may still emit (its budget less what it has emitted)."""
+
+    tables: DeviceGrammar
+    states: jax.Array  # i32[B]
+    budget: jax.Array  # i32[B]
+
+    def mask(self, states: jax.Array, offset) -> jax.Array:
+        """``bool[B, ..., V]``: the tokens allowed in ``states`` (i32[B, ...]), each the state before the
+        token ``offset`` (int or i32[B, ...]) tokens after the row's next one (0: the next)."""
+        remaining = self.budget.reshape(self.budget.shape + (1,) * (states.ndim - 1)) - 1 - offset
+        return allowed(self.tables, states, remaining)
+
+    def constrain(self, logits: jax.Array, states: jax.Array, offset) -> jax.Array:
+        """``logits`` (f32[B, ..., V]) with the tokens `mask` refuses at -inf."""
+        return jnp.where(self.mask(states, offset), logits, -jnp.inf)
 
 
 def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
@@ -62,14 +89,58 @@ def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
         next_state.append(np.where(local >= 0, local + offsets[k - 1], DEAD).astype(np.int32))
     accepting = np.concatenate([[True], *(t.accepting for t in tables)])
     initial = np.array([FREE] + [offsets[k] + t.initial for k, t in enumerate(tables)], np.int32)
+    distance = np.concatenate([[0], *(tokens_to_accept(t.next_state, t.accepting) for t in tables)])
+    stop_class = (joint[1:] == STOP).any(axis=0)
     return DeviceGrammar(jnp.asarray(token_class.reshape(-1), jnp.int32), jnp.asarray(np.concatenate(next_state)),
-                         jnp.asarray(accepting), jnp.asarray(initial))
+                         jnp.asarray(accepting), jnp.asarray(initial), jnp.asarray(distance, jnp.int32),
+                         jnp.asarray(stop_class))
 
 
-def allowed(grammar: DeviceGrammar, states: jax.Array) -> jax.Array:
-    """``bool[..., V]``: the tokens allowed in ``states`` (i32[...]; DEAD counts as FREE)."""
+def tokens_to_accept(next_state: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """``i32[S]``: the fewest tokens from each state of one table (``next_state i32[S, C]``, -1: not
+    allowed; ``accepting bool[S]``) to an accepting state; a state with none reachable gets 2**30."""
+    far = 2**30
+    distance = np.where(accepting, 0, far).astype(np.int64)
+    allowed_next = next_state >= 0
+    while True:  # Bellman-Ford on unit edges: as many sweeps as the longest shortest path
+        via = np.where(allowed_next, distance[np.maximum(next_state, 0)] + 1, far).min(axis=1, initial=far)
+        updated = np.minimum(distance, via)
+        if (updated == distance).all():
+            return np.minimum(distance, far).astype(np.int32)
+        distance = updated
+
+
+def allowed(grammar: DeviceGrammar, states: jax.Array, remaining: jax.Array | None = None) -> jax.Array:
+    """``bool[..., V]``: the tokens allowed in ``states`` (i32[...]; DEAD counts as FREE); with
+    ``remaining`` (i32[...], tokens that may follow), only those from whose next state a match is
+    that near, unless none is (module docstring)."""
     rows = grammar.next_state[jnp.where(states == DEAD, FREE, states)]  # i32[..., C]
-    return jnp.take(rows, grammar.token_class, axis=-1) >= 0
+    ok = rows >= 0
+    if remaining is not None:
+        near = ok & (grammar.distance[jnp.maximum(rows, 0)] <= remaining[..., None])
+        ok = jnp.where(jnp.any(near, axis=-1, keepdims=True), near, ok)
+    return jnp.take(ok, grammar.token_class, axis=-1)
+
+
+def finished(grammar: DeviceGrammar, states: jax.Array, remaining: jax.Array) -> jax.Array:
+    """``bool[...]``: rows in ``states`` (i32[...]) that may still emit ``remaining`` (i32[...]) tokens
+    but end here: the text is a whole match and no text token (a stop token aside) leads to one within
+    the budget. Never for the free grammar, nor once the budget is spent (that stop is the length's)."""
+    rows = grammar.next_state[jnp.maximum(states, 0)]  # i32[..., C]
+    fits = (rows >= 0) & ~grammar.stop_class & (grammar.distance[jnp.maximum(rows, 0)] <= remaining[..., None] - 1)
+    return grammar.accepting[jnp.maximum(states, 0)] & (states != DEAD) & (remaining > 0) & ~jnp.any(fits, axis=-1)
+
+
+def advance_run(rows: RowGrammar, tokens: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The states after the first ``count[b]`` tokens of ``tokens`` (i32[B,K]) from ``rows.states``,
+    and i32[B] the length of the run cut after its first token where the row is `finished`."""
+    states, cut = rows.states, count
+    for j in range(tokens.shape[1]):
+        moved = advance(rows.tables, states, tokens[:, j])
+        take = j < cut
+        states = jnp.where(take, moved, states)
+        cut = jnp.where(take & finished(rows.tables, moved, rows.budget - j - 1), j + 1, cut)
+    return states, cut
 
 
 def advance(grammar: DeviceGrammar, states: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -86,6 +157,8 @@ def path_states(grammar: DeviceGrammar, states: jax.Array, candidates: jax.Array
     ``parents`` (i32[B,N], `tree.ROOT` for a child of t0; parents come before their children)."""
     batch, nodes = candidates.shape
     out = jnp.zeros((batch, nodes + 1), jnp.int32).at[:, 0].set(states)
+    if nodes == 0:
+        return out
     parent_input = (jnp.broadcast_to(jnp.arange(nodes), (batch, nodes)) if parents is None
                     else jnp.where(parents == tree.ROOT, 0, parents + 1))  # i32[B,N] verify input of the parent
 

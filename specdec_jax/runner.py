@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
 import jax
 from tqdm import tqdm
@@ -47,6 +48,25 @@ def build_drafter(cfg: RunConfig, target, mesh=None):
     if mesh is not None:
         draft = place_model(draft, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
+
+
+def constraint_tables(cfg: RunConfig, tokenizer):
+    """The config's grammar constraint (--regex, --json-schema FILE) compiled for ``tokenizer``
+    (`constraints.compile_constraint`, cached), or None; a schema file that cannot be read is a ValueError."""
+    if cfg.regex is None and cfg.json_schema is None:
+        return None
+    from specdec_jax.constraints import Constraint, compile_constraint
+
+    if cfg.regex is not None:
+        return compile_constraint(Constraint(regex=cfg.regex), tokenizer)
+    try:
+        text = pathlib.Path(cfg.json_schema).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"json_schema: cannot read {cfg.json_schema} ({err.__class__.__name__})") from None
+    try:
+        return compile_constraint(Constraint(json_schema=text), tokenizer)
+    except ValueError as err:
+        raise ValueError(f"{cfg.json_schema}: {err}") from None
 
 
 def drop_compiled_programs() -> None:
@@ -101,6 +121,7 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
     drafter = drafter if drafter is not None else build_drafter(cfg, target, mesh)
     records = records if records is not None else prompt_records(cfg)
     tok = target.tokenizer
+    grammar = constraint_tables(cfg, tok)
     encoded = [encode(tok, r["prompt"], cfg.raw) for r in records]
     results, parts, policies, wall = [], [], [], 0.0
     batches = range(0, len(records), cfg.batch_size)
@@ -110,7 +131,7 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
         out = generate(
             target, chunk, drafter, gamma=cfg.effective_gamma, sampling=sampling_params(cfg),
             max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids(cfg, tok),
-            seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh,
+            seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh, grammars=grammar,
         )
         wall += out.wall_s
         parts.append(out.metrics)

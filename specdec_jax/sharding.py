@@ -152,7 +152,7 @@ def param_shardings(params, mesh: Mesh):
     ``Llama.params()`` (layer weights as tuples) or an ``nnx.state`` of a ``Llama``."""
     def rule(path, x):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
-        return NamedSharding(mesh, param_spec(names[-1], x.ndim))
+        return NamedSharding(mesh, param_spec(names[-1], x.ndim) if names else P())  # unnamed: grammar tables
 
     return jax.tree_util.tree_map_with_path(rule, params)
 

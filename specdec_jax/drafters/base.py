@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, Protocol
 import flax.struct
 import jax
 
+from specdec_jax.grammar import RowGrammar
 from specdec_jax.sampling import RowSampling
 from specdec_jax.target import TargetModel
 from specdec_jax.tree import TreeShape
@@ -98,6 +99,9 @@ class DraftContext:
     sampling: RowSampling  # per-row sampling settings (the drafter's q uses the same transforms)
     target_params: Any  # the target's weights
     target: TargetModel = flax.struct.field(pytree_node=False)
+    # the rows' grammar (docs/constraints.md): a drafter that draws from its own law masks it with
+    # `grammar.constrain` along each draft's path (`chain.draw_chain` does); None: no row has a constraint
+    grammar: RowGrammar | None = None
 
 
 @flax.struct.dataclass

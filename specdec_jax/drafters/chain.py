@@ -5,9 +5,12 @@ Medusa heads) does the same at each draft position: process its logits with
 the row's sampling settings (the transforms the target's law goes through,
 penalties counted over the committed tokens and the earlier drafts), draw with
 the key of that position (`rng.Purpose.DRAFT`; greedy rows take the argmax), map
-a reduced output vocabulary back to target ids, and keep the law as q. Only how
-the logits of the next position arise differs: `draw_chain` takes that as a
-function.
+a reduced output vocabulary back to target ids, and keep the law as q. Under a
+grammar constraint the logits are first masked to the tokens the grammar allows
+after the drafts before (`grammar.RowGrammar.constrain`), as the target's are,
+so q is the law really drawn from and no draft is wasted on a refused token.
+Only how the logits of the next position arise differs: `draw_chain` takes that
+as a function.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, Proposal
+from specdec_jax.grammar import advance
 from specdec_jax.rng import Purpose, for_purpose
 from specdec_jax.sampling import PenaltyCounts, RowSampling, first_argmax, penalize, process_logits
 
@@ -44,9 +48,17 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
         counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)
         counts = counts if vocab_map is None else counts.take(vocab_map)
     keep_laws = ctx.sampling.any_sampled and corrupt_alpha is None
+    rows = ctx.grammar
+    states = None if rows is None else rows.states  # i32[B] grammar state before each draft
 
-    def pick(logits, counts, index):
+    def pick(logits, counts, states, index):
         keys = ctx.keys[:, index]  # key[B] of this draft's position
+        if rows is not None:
+            mask = rows.mask(states, index)  # bool[B,V]
+            if vocab_map is not None:  # a reduced vocabulary with no allowed id: unmasked (the draft is wasted)
+                mask = mask[:, vocab_map]
+                mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
+            logits = jnp.where(mask, logits, -jnp.inf)
         if ctx.sampling.any_sampled:
             law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
             drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
@@ -57,17 +69,19 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
             token = _corrupt(keys, token, corrupt_alpha, vocab_size)
         if counts is not None:  # counts are over the drafter's ids
             counts = counts.add(drawn)
-        return token, (law if keep_laws else None), counts
+        if rows is not None:
+            states = advance(rows.tables, states, token)
+        return token, (law if keep_laws else None), counts, states
 
     def step(state, index):
-        logits, counts, carry = state
-        token, law, counts = pick(logits, counts, index)
+        logits, counts, states, carry = state
+        token, law, counts, states = pick(logits, counts, states, index)
         logits, carry = next_logits(carry, token, index)
-        return (logits, counts, carry), (token, law)
+        return (logits, counts, states, carry), (token, law)
 
-    (logits, counts, carry), (tokens, laws) = jax.lax.scan(
-        step, (first_logits, counts, carry), jnp.arange(gamma - 1))
-    last, last_law, _ = pick(logits, counts, gamma - 1)
+    (logits, counts, states, carry), (tokens, laws) = jax.lax.scan(
+        step, (first_logits, counts, states, carry), jnp.arange(gamma - 1))
+    last, last_law, _, _ = pick(logits, counts, states, gamma - 1)
     drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
     probs = None
     if keep_laws:

@@ -25,6 +25,7 @@ from specdec_jax.drafters.base import Drafter, PrefillContext, Proposal
 from specdec_jax.engine.round import draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy
 from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
+from specdec_jax.grammar import DeviceGrammar, finished, stack_grammars
 from specdec_jax.metrics import Counters
 from specdec_jax.rng import seed_key
 from specdec_jax.sampling import RowSampling, SamplingParams
@@ -38,9 +39,10 @@ MAX_NEW_TOKENS = 2**31 - 2**20  # exclusive bound: positions and lengths are int
 
 @functools.partial(jax.jit, static_argnums=0)
 def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_new, live, row_ids,
-            sampling: RowSampling, key) -> DecodeState:
+            sampling: RowSampling, key, grammar_state=None) -> DecodeState:
     """Writes padded prompts i32[B,P] into the caches in one pass; lengths = prompt_lens - 1. ``spec`` has
-    no shape policy (`start_policy` adds its state), so that one program serves every policy."""
+    no shape policy (`start_policy` adds its state), so that one program serves every policy.
+    ``grammar_state``: i32[B] each row's initial grammar state (with ``params.grammar``), or None."""
     batch, width = prompts.shape
     kept = min(width, spec.buffer_len)  # a bucket wider than the buffer is padding past it
     tokens = jnp.zeros((batch, spec.buffer_len), jnp.int32).at[:, :kept].set(prompts[:, :kept])
@@ -77,6 +79,7 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
         target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
         if spec.record_top_k else None,
+        grammar_state=grammar_state,
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
         shapes = jax.eval_shape(lambda s: draft_step(spec, params, s).proposal, state)
@@ -121,6 +124,7 @@ def prepare(
     capacity: int | None = None,
     record_top_k: int = 0,
     mesh: Mesh | None = None,
+    grammars=None,
     policy_for: PolicyFor | None = None,
 ) -> Prepared:
     """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in
@@ -165,11 +169,12 @@ def prepare(
     if len(per_row) != num_rows:
         raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
     rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
+    tables, grammar_state = row_grammars(grammars, num_rows, batch, model.vocab_size, max_new_tokens)
 
     spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh, None)
-    params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None)
+    params = EngineParams(target=target_params, drafter=drafter.params if gamma > 0 else None, grammar=tables)
     inputs = (padded, lens, np.full((batch,), max_new_tokens, np.int32), np.arange(batch) < num_rows, ids, rows,
-              seed_key(seed))
+              seed_key(seed), grammar_state)
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
         inputs = sharding.shard_state(inputs, mesh)
@@ -184,6 +189,38 @@ def prepare(
         spec = dataclasses.replace(spec, policy=policy)
         state = start_policy(spec, state)
     return Prepared(spec, params, state, lens, num_rows)
+
+
+def row_grammars(grammars, num_rows: int, batch: int, vocab_size: int, max_new_tokens: int
+                 ) -> tuple[DeviceGrammar | None, np.ndarray | None]:
+    """The batch's stacked grammar tables and each row's initial state, i32[batch] (padding rows: the
+    free grammar), from ``grammars``: None, one `constraints.GrammarTables` for every row, or one per
+    row (None: no constraint); (None, None) when no row has one. A constraint whose shortest match
+    is longer than ``max_new_tokens`` is a ValueError, and so is one that matches only the empty text."""
+
+    if grammars is None:
+        return None, None
+    per_row = list(grammars) if isinstance(grammars, (list, tuple)) else [grammars] * num_rows
+    if len(per_row) != num_rows:
+        raise ValueError(f"got {len(per_row)} grammars for {num_rows} prompts")
+    distinct = list({id(t): t for t in per_row if t is not None}.values())
+    if not distinct:
+        return None, None
+    tables = stack_grammars(distinct, vocab_size)
+    initial, distance = np.asarray(tables.initial), np.asarray(tables.distance)
+    empty_only = np.asarray(finished(tables, tables.initial, jnp.full(initial.shape, max_new_tokens)))
+    for k, _ in enumerate(distinct, start=1):
+        start = initial[k]
+        if empty_only[k]:
+            raise ValueError("the constraint matches only the empty text (within max_new_tokens): there is nothing "
+                             "to generate")
+        if distance[start] > max_new_tokens:
+            raise ValueError(f"the constraint's shortest match is {distance[start]} tokens, more than max_new_tokens "
+                             f"({max_new_tokens}): raise --max-new-tokens")
+    kind = {id(t): k for k, t in enumerate(distinct, start=1)}
+    state = np.full((batch,), initial[0], np.int32)
+    state[:num_rows] = [initial[kind[id(t)]] if t is not None else initial[0] for t in per_row]
+    return tables, state
 
 
 def compiled_prefill(spec: EngineSpec, params: EngineParams, inputs, lens: np.ndarray) -> Callable:

@@ -57,6 +57,7 @@ def generate(
     record_top_k: int = 0,
     python_loop: bool = False,
     mesh: Mesh | None = None,
+    grammars=None,
 ) -> GenerationResult:
     """Speculative decoding of a ragged batch of token-id prompts.
 
@@ -96,6 +97,12 @@ def generate(
         partitioned. The batch is padded to a multiple of the `data` axis; the
         `model` axis must divide the head counts and MLP width. None, or one
         device: the single-device path.
+      grammars: grammar constraints (docs/constraints.md): one `constraints.GrammarTables`
+        (`compile_constraint(Constraint(regex=...), tokenizer)`) for every row, or one per row
+        (None: no constraint). Each row's output then matches its constraint: the target's
+        and the drafter's laws allow only the tokens the grammar allows along each
+        candidate's own path, within the row's budget; a row that reaches a whole match
+        nothing may follow stops with reason "grammar".
 
     Returns:
       GenerationResult: emitted tokens and stop reason per row, batch metrics.
@@ -104,7 +111,7 @@ def generate(
     run = prepare(
         target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
         eos_id=eos_id, stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
-        mesh=mesh,
+        mesh=mesh, grammars=grammars,
     )
     state = jax.block_until_ready(run.state)
     loop_start = time.perf_counter()

@@ -9,14 +9,16 @@
                   or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`);
                   a `TargetPass`: its logits, or, when nothing past the pass reads them, only
                   the greedy tokens, reduced inside each width's branch
+                  under a grammar constraint, its logits past each input's own path's allowed
+                  tokens are -inf (`verify_masks`, docs/constraints.md)
     target_law    the processed law p at each verified position (penalties, temperature, filters);
                   target_argmax its greedy token, when no row samples (no law is built then)
     accept        the verification rule on the pass's scores: accepted drafts, correction or
                   bonus, stop/budget cut (`verify` for chains, `verify_tree` for trees)
     commit        the pass's keys/values (a tree's accepted path moved to the front, so the cache
                   holds a chain again), tokens, cache lengths (the rollback), record_top_k, the
-                  drafter's hook, metrics
-    stop_reasons  which live rows just ended, and why
+                      drafter's hook, metrics
+    stop_reasons  which live rows just ended, and why (a grammar's: a whole match nothing may follow)
 
 With `EngineSpec.policy` set (`--gamma auto`), `draft_step` chooses the
 round's draft length and verify width on device from measured costs and each
@@ -40,10 +42,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import rng, tree
+from specdec_jax import grammar, rng, tree
 from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
 from specdec_jax.engine import shape
-from specdec_jax.engine.state import CAPACITY, EOS, LENGTH, DecodeState, EngineParams, EngineSpec
+from specdec_jax.engine.state import CAPACITY, EOS, GRAMMAR, LENGTH, DecodeState, EngineParams, EngineSpec
 from specdec_jax.kv_cache import KVBlock, ordered_read
 from specdec_jax.sampling import PenaltyCounts, first_argmax, penalize, process_logits
 from specdec_jax.target import chain_positions
@@ -64,6 +66,31 @@ def draft_room(spec: EngineSpec, state: DecodeState) -> jax.Array:
     return jnp.where(state.done, 0, jnp.maximum(room, 0)).astype(jnp.int32)
 
 
+def row_grammar(params: EngineParams, state: DecodeState) -> grammar.RowGrammar | None:
+    """The batch's grammar as a round reads it (None: no row has a constraint)."""
+    if params.grammar is None:
+        return None
+    return grammar.RowGrammar(params.grammar, state.grammar_state, state.max_new - (state.num_tokens - state.prompt_lens))
+
+
+def verify_masks(state: DecodeState, rows: grammar.RowGrammar | None) -> jax.Array | None:
+    """bool[B,G+1,V]: the tokens the grammar allows after each verify input [t0, drafts], each along
+    its own path (a tree's: its ancestors) and within the row's budget at its depth; None without one."""
+    if rows is None:
+        return None
+    drafts, parents = state.proposal.drafts, state.proposal.parents
+    states = grammar.path_states(rows.tables, rows.states, drafts, parents)  # i32[B,G+1]
+    depth = jnp.arange(drafts.shape[1] + 1)[None, :] if parents is None else tree.structure(parents)[0]
+    return rows.mask(states, depth)
+
+
+def allowed_prefix(rows: grammar.RowGrammar, drafts: jax.Array) -> jax.Array:
+    """i32[B]: how many leading drafts of a chain (i32[B,G]) the grammar allows along it: the drafts after
+    them would be rejected (the target's law gives them 0), so they are not verified."""
+    states = grammar.path_states(rows.tables, rows.states, drafts)[:, 1:]
+    return jnp.sum(jnp.cumprod(states != grammar.DEAD, axis=1), axis=1).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """The drafter proposes up to gamma tokens per live row, capped by `draft_room` (a tree's
@@ -76,7 +103,7 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         tokens=state.tokens, num_tokens=state.num_tokens, prompt_lens=state.prompt_lens, room=room,
         last_emit=state.last_emit, last_accepted=state.last_accepted, features=state.features,
         keys=position_keys(state, spec.gamma), sampling=state.sampling, target_params=params.target,
-        target=spec.target,
+        target=spec.target, grammar=row_grammar(params, state),
     )
     policy, live, forced, found = spec.policy, ~state.done, state.forced_shape, state.draft_found
     if policy is None or forced is not None:
@@ -89,6 +116,8 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     else:
         proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
+    if ctx.grammar is not None and proposal.parents is None:
+        cap = jnp.minimum(cap, allowed_prefix(ctx.grammar, proposal.drafts))
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
@@ -152,9 +181,10 @@ def keeps_logits(spec: EngineSpec, state: DecodeState) -> bool:
     return state.sampling.any_sampled or bool(spec.record_top_k)
 
 
-def target_pass(spec: EngineSpec, target_params, state: DecodeState) -> TargetPass:
+def target_pass(spec: EngineSpec, target_params, state: DecodeState, masks: jax.Array | None = None) -> TargetPass:
     """The target over the inputs ``[t0, drafts]`` at slots ``lengths + s`` and positions
-    ``lengths + s`` (a chain) or ``lengths + depth`` under the ancestor mask (a tree).
+    ``lengths + s`` (a chain) or ``lengths + depth`` under the ancestor mask (a tree); with ``masks``
+    (bool[B,G+1,V], `verify_masks`), its logits are -inf where they are False.
 
     It runs at the narrowest of ``spec.verify_widths`` that holds every row's drafts. The pass
     only reads the cache; its keys/values come back as a `KVBlock` that `commit` writes after the
@@ -177,6 +207,8 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState) -> TargetPa
             logits, hidden, block = spec.target.apply(
                 target_params, inputs[:, :width], cache, positions[:, :width],
                 None if mask is None else mask[:, :width, :width], spec.hidden_layers, defer_writes=True)
+            if masks is not None:
+                logits = jnp.where(masks[:, :width], logits, -jnp.inf)
             pad = inputs.shape[1] - width
             tokens = None
             if greedy:
@@ -283,6 +315,9 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
     cache = state.cache.write_block(block)
     live = ~state.done
     n_emit = jnp.where(live, result.n_emit, 0)
+    grammar_state = state.grammar_state
+    if grammar_state is not None:  # the run ends where the grammar finishes the row, as plain decoding's would
+        grammar_state, n_emit = grammar.advance_run(row_grammar(params, state), result.tokens, n_emit)
     n_accepted = jnp.where(live, result.n_accepted, 0)
     column = jnp.arange(spec.gamma + 1)[None, :]
     index = jnp.where(column < n_emit[:, None], state.num_tokens[:, None] + column, spec.buffer_len)
@@ -313,28 +348,37 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         step=state.step + 1,
         target_top=target_top,
         acceptance=acceptance,
+        grammar_state=grammar_state,
     )
 
 
-def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState) -> DecodeState:
-    """Rows live before this round (``~was_done``) that now end: a stop token as the newest token,
-    the budget spent, or no cache slot left for the next t0."""
+def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState,
+                 tables: grammar.DeviceGrammar | None = None) -> DecodeState:
+    """Rows live before this round (``~was_done``) that now end: a stop token as the newest token, a
+    whole match of the row's grammar (``tables``) that no text token can extend within the budget
+    (`grammar.finished`), the budget spent, or no cache slot left for the next t0."""
     live = ~was_done
     last = jnp.take_along_axis(state.tokens, state.num_tokens[:, None] - 1, axis=1)[:, 0]
     hit_stop = live & jnp.isin(last, jnp.asarray(spec.stop_ids, jnp.int32)) if spec.stop_ids else jnp.zeros_like(live)
-    hit_length = live & (state.num_tokens - state.prompt_lens >= state.max_new)
+    remaining = state.max_new - (state.num_tokens - state.prompt_lens)
+    hit_grammar = (jnp.zeros_like(live) if tables is None
+                   else live & grammar.finished(tables, state.grammar_state, remaining))
+    hit_length = live & (remaining <= 0)
     hit_capacity = live & (state.num_tokens - 1 >= spec.capacity)
-    reason = jnp.select([hit_stop, hit_length, hit_capacity], [EOS, LENGTH, CAPACITY], state.stop_reason)
-    return state.replace(done=was_done | hit_stop | hit_length | hit_capacity, stop_reason=reason.astype(jnp.int32))
+    reason = jnp.select([hit_stop, hit_grammar, hit_length, hit_capacity], [EOS, GRAMMAR, LENGTH, CAPACITY],
+                        state.stop_reason)
+    done = was_done | hit_stop | hit_grammar | hit_length | hit_capacity
+    return state.replace(done=done, stop_reason=reason.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
-    scored = target_pass(spec, params.target, state)
+    scored = target_pass(spec, params.target, state, verify_masks(state, row_grammar(params, state)))
     nodes = None if state.proposal.parents is None else verified_nodes(spec, state)  # once a round: a loop
     result = accept(spec, state, scored, nodes)
-    return stop_reasons(spec, state.done, commit(spec, params, state, result, scored, proposed_depth(state, nodes)))
+    return stop_reasons(spec, state.done, commit(spec, params, state, result, scored, proposed_depth(state, nodes)),
+                        params.grammar)
 
 
 def decode_round(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:

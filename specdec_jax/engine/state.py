@@ -18,13 +18,14 @@ from jax.sharding import Mesh
 
 from specdec_jax.drafters.base import Drafter, Proposal
 from specdec_jax.engine.shape import ShapePolicy
+from specdec_jax.grammar import DeviceGrammar
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.metrics import Counters, Metrics
 from specdec_jax.sampling import RowSampling
 from specdec_jax.target import TargetModel
 
-RUNNING, EOS, LENGTH, CAPACITY = 0, 1, 2, 3  # EOS: any stop token
-STOP_REASONS = {EOS: "eos", LENGTH: "length", CAPACITY: "capacity"}
+RUNNING, EOS, LENGTH, CAPACITY, GRAMMAR = 0, 1, 2, 3, 4  # EOS: any stop token; GRAMMAR: a whole match, nothing may follow
+STOP_REASONS = {EOS: "eos", LENGTH: "length", CAPACITY: "capacity", GRAMMAR: "grammar"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class EngineParams:
 
     target: Any  # the target's weights, as its TargetModel.apply takes them
     drafter: Any  # the drafter's weights (Drafter.params), None for plain decoding
+    grammar: DeviceGrammar | None = None  # the batch's grammar tables (docs/constraints.md); None: no row has one
 
 
 @flax.struct.dataclass
@@ -101,12 +103,13 @@ class DecodeState:
     # i32[2] (draft index, verify index into policy.gammas) that every round takes, every live row verifying
     # that many drafts found or not (engine.calibration times whole rounds so); None: the policy chooses
     forced_shape: jax.Array | None = None
+    grammar_state: jax.Array | None = None  # i32[B] each row's grammar state after its newest token (with EngineParams.grammar)
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     tokens: list[list[int]]  # emitted token ids per prompt
-    stop_reasons: list[str]  # "eos" | "length" | "capacity" per prompt
+    stop_reasons: list[str]  # "eos" | "length" | "capacity" | "grammar" per prompt
     metrics: Metrics
     wall_s: float  # whole call, compile included on a first call
     loop_rounds: int  # while_loop iterations
