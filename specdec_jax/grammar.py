@@ -66,9 +66,16 @@ class RowGrammar(NamedTuple):
         remaining = self.budget.reshape(self.budget.shape + (1,) * (states.ndim - 1)) - 1 - offset
         return allowed(self.tables, states, remaining)
 
-    def constrain(self, logits: jax.Array, states: jax.Array, offset) -> jax.Array:
-        """``logits`` (f32[B, ..., V]) with the tokens `mask` refuses at -inf."""
-        return jnp.where(self.mask(states, offset), logits, -jnp.inf)
+    def constrain(self, logits: jax.Array, states: jax.Array, offset, vocab_map: jax.Array | None = None
+                  ) -> jax.Array:
+        """``logits`` (f32[B, ..., Vo]) with the tokens `mask` refuses at -inf; ``vocab_map`` (i32[Vo]) is
+        the target id of each logit of a drafter's reduced vocabulary (None: Vo = V), which leaves a row
+        whose allowed ids it lacks unmasked (its draft is then refused, and wasted)."""
+        mask = self.mask(states, offset)
+        if vocab_map is not None:
+            mask = mask[..., vocab_map]
+            mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
+        return jnp.where(mask, logits, -jnp.inf)
 
 
 def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:

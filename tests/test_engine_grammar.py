@@ -271,3 +271,25 @@ def test_a_sampling_drafter_draws_only_tokens_its_grammar_allows(temperature):
     states = grammar.path_states(run.params.grammar, drafted.grammar_state, drafted.proposal.drafts)
     assert (np.asarray(drafted.proposal.num_draft) == 4).all()
     assert (np.asarray(states) != grammar.DEAD).all()
+
+
+@pytest.mark.parametrize("name", ["eagle-tree", "draft-model-tree"])
+def test_a_dynamic_tree_holds_only_allowed_nodes_where_the_grammar_allows_enough(name):
+    """A dynamic tree ranks each node's children by the drafter's law masked along the node's own path:
+    every node whose parent's state allows at least topk tokens is allowed itself."""
+    shape = TreeShape(nodes=6, depth=3, topk=2)
+    drafter = eagle_head(shape) if name == "eagle-tree" else dataclasses.replace(H.model_drafter(), tree=shape)
+    run = engine.prepare(H.target(), H.RAGGED, drafter, max_new_tokens=H.MAX_NEW, grammars=row_tables())
+    state = run.state
+    for _ in range(3):  # a few rounds in, the rows stand in different states
+        drafted = engine.draft_step(run.spec, run.params, state)
+        tables, proposal = run.params.grammar, drafted.proposal
+        states = np.asarray(grammar.path_states(tables, drafted.grammar_state, proposal.drafts, proposal.parents))
+        parents = np.asarray(proposal.parents)
+        parent_states = np.where(parents >= 0, np.take_along_axis(states, np.maximum(parents, 0) + 1, axis=1),
+                                 states[:, :1])
+        choices = np.asarray(grammar.allowed(tables, jnp.asarray(parent_states))).sum(-1)  # i64[B,G]
+        enough = (choices >= shape.topk) & (parent_states != grammar.DEAD)
+        assert (states[:, 1:][enough] != grammar.DEAD).all()
+        assert enough[[0, 1, 3]].any()  # the constrained rows were checked
+        state = engine.verify_step(run.spec, run.params, drafted)

@@ -54,11 +54,7 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     def pick(logits, counts, states, index):
         keys = ctx.keys[:, index]  # key[B] of this draft's position
         if rows is not None:
-            mask = rows.mask(states, index)  # bool[B,V]
-            if vocab_map is not None:  # a reduced vocabulary with no allowed id: unmasked (the draft is wasted)
-                mask = mask[:, vocab_map]
-                mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
-            logits = jnp.where(mask, logits, -jnp.inf)
+            logits = rows.constrain(logits, states, index, vocab_map)
         if ctx.sampling.any_sampled:
             law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
             drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids

@@ -20,6 +20,10 @@ besides its token: for EAGLE its parent's output feature); it returns the
 logits ``f32[B,K,Vo]`` of the newest K nodes' children and their outputs
 ``f32[B,K,...] | None`` (the inputs of their children). It must not write
 its cache: the next round rebuilds it from the committed tokens.
+
+Under a grammar constraint (``grammar``, the context's `grammar.RowGrammar`) every node's children
+are ranked by the drafter's law masked with the grammar state along the node's path, so the tree
+holds no refused token while the grammar allows K children.
 """
 
 from __future__ import annotations
@@ -31,19 +35,22 @@ import jax.numpy as jnp
 
 from specdec_jax import tree as trees
 from specdec_jax.drafters.base import Proposal
+from specdec_jax.grammar import RowGrammar, advance
 from specdec_jax.tree import TreeShape
 
 Expand = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array | None]]
 
 
 def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, root_output: jax.Array | None,
-                      expand: Expand, vocab_map: jax.Array | None = None) -> Proposal:
+                      expand: Expand, vocab_map: jax.Array | None = None,
+                      grammar: RowGrammar | None = None) -> Proposal:
     """A `Proposal` of ``nodes`` nodes (point masses, all counted: the caller masks rows that
     cannot draft).
 
     first_logits: f32[B,Vo] the drafter's logits of the first draft; root_output: f32[B,...] the
     input of depth-1 nodes besides their token (None if the drafter needs none); vocab_map:
-    i32[Vo] target id of each logit (a reduced vocabulary), None: Vo = V.
+    i32[Vo] target id of each logit (a reduced vocabulary), None: Vo = V; grammar: the rows'
+    grammar (module docstring), None: unconstrained.
     """
     k = shape.topk
     batch = first_logits.shape[0]
@@ -51,12 +58,19 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
         return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None,
                         jnp.zeros((batch, 0), jnp.int32))
 
-    def best_children(logits):  # f32[B,M,Vo] -> (log-probs f32[B,M,K], target ids i32[B,M,K])
+    def best_children(logits, states, depth):
+        """f32[B,M,Vo] logits of M nodes' children at ``depth``, i32[B,M] the nodes' grammar states (None
+        unconstrained) -> (log-probs f32[B,M,K], target ids i32[B,M,K], the children's states or None)."""
+        if grammar is not None:
+            logits = grammar.constrain(logits, states, depth - 1, vocab_map)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         logp, ids = jax.lax.top_k(jnp.maximum(logp, -1e4), k)  # finite: a child always ranks below its parent
-        return logp, (ids if vocab_map is None else vocab_map[ids])
+        ids = ids if vocab_map is None else vocab_map[ids]
+        return logp, ids, None if grammar is None else advance(grammar.tables, states[..., None], ids)
 
-    logp, ids = best_children(first_logits[:, None])
+    root = None if grammar is None else grammar.states[:, None]
+    logp, ids, child_states = best_children(first_logits[:, None], root, 1)
+    frontier_states = None if grammar is None else child_states[:, 0]  # i32[B,K]
     tokens, scores, parents = [ids[:, 0]], [logp[:, 0]], [jnp.full((batch, k), trees.ROOT, jnp.int32)]
     depths = [jnp.ones((batch, k), jnp.int32)]
     frontier, frontier_score = jnp.broadcast_to(jnp.arange(k), (batch, k)), logp[:, 0]  # candidate ids
@@ -67,7 +81,7 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
     for depth in range(2, shape.depth + 1):
         mask = trees.structure(fed_parents)[1][:, 1:, 1:]
         logits, outputs = expand(fed_tokens, mask, fed_depth, fed_inputs)
-        logp, ids = best_children(logits)  # [B,K,K]
+        logp, ids, child_states = best_children(logits, frontier_states, depth)  # [B,K,K]
         score = (frontier_score[:, :, None] + logp).reshape(batch, k * k)
         tokens.append(ids.reshape(batch, k * k))
         scores.append(score)
@@ -76,6 +90,8 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
         if depth < shape.depth:  # expand the K best of this depth next
             frontier_score, best = jax.lax.top_k(score, k)
             frontier, parent = first + best, best // k  # parent: which of the newest K fed nodes
+            if grammar is not None:
+                frontier_states = jnp.take_along_axis(child_states.reshape(batch, k * k), best, axis=1)
             fed_parents = jnp.concatenate([fed_parents, fed_tokens.shape[1] - k + parent], axis=1)
             fed_tokens = jnp.concatenate([fed_tokens, jnp.take_along_axis(tokens[-1], best, axis=1)], axis=1)
             fed_depth = jnp.concatenate([fed_depth, jnp.full((batch, k), depth, jnp.int32)], axis=1)

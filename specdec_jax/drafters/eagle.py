@@ -248,5 +248,5 @@ class EagleDrafter(DrafterBase):
             return head_logits(cfg, params, target, target_params, newest), newest
 
         first = head_logits(cfg, params, target, target_params, h_last)
-        proposal = grow_dynamic_tree(self.tree, nodes, first, h_last, expand, params.get("vocab_map"))
+        proposal = grow_dynamic_tree(self.tree, nodes, first, h_last, expand, params.get("vocab_map"), ctx.grammar)
         return proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))

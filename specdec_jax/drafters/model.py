@@ -105,7 +105,8 @@ class ModelDrafter(DrafterBase):
                                  defer_writes=True)
             return logits[:, -self.tree.topk:], None
 
-        return grow_dynamic_tree(self.tree, nodes, first, None, expand, params.get("vocab_map")), cache
+        return grow_dynamic_tree(self.tree, nodes, first, None, expand, params.get("vocab_map"),
+                                 ctx.grammar), cache
 
 
 def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:
