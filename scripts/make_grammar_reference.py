@@ -25,12 +25,13 @@ OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "gram
 NEW_TOKENS = 96
 PERSON = {"type": "object", "required": ["name", "age"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
-ITEMS = {"type": "array", "items": {"type": "string"}, "maxItems": 4}
+ITEMS = {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4}
 CASES = [  # (prompt, {"regex": ...} or {"json_schema": ...})
     ("On what date did Apollo 11 land on the Moon? Answer as YYYY-MM-DD.", {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}),
     ("Is the Pacific the largest ocean? Answer yes or no.", {"regex": r"(yes|no)"}),
     ("Describe a fictional person as JSON with their name and age.", {"json_schema": json.dumps(PERSON)}),
     ("List three colours as a JSON array of strings.", {"json_schema": json.dumps(ITEMS)}),
+    ("Describe the sky in one short sentence.", {"regex": r"[A-Z][a-z]+( [a-z]+){2,8}\."}),
 ]
 
 
@@ -38,7 +39,7 @@ def outlines_index(tok, pattern: str):
     """outlines-core's Index of ``pattern`` over transformers' tokenizer: each token's bytes through
     GPT-2's byte table (special tokens left out), EOS the tokenizer's."""
     from outlines_core import Index, Vocabulary
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     special = set(tok.all_special_ids)

@@ -206,3 +206,12 @@ def test_bench_of_a_tree_reports_depths_and_nodes(drafter, tmp_path):
     assert overall["drafts_per_round"] == pytest.approx(batch["draft_tokens"] / batch["rounds"])
     assert overall["verify_widths"] == [1, 7] and overall["tie_aware_equal"]
     assert "tree=6 nodes, depth 3, top-2" in format_report(report).splitlines()[0]
+
+
+def test_bench_under_a_regex_compares_constrained_runs():
+    """--regex reaches both of bench's runs (its compile run too: a budget the shortest match fits)."""
+    cfg = RunConfig(model="tiny-random", raw=True, prompt=("abc abc abc",), max_new_tokens=16, gamma=4,
+                    regex=r"[a-c]{2,4}( [a-c]{2,4})+")
+    report = bench(cfg, repeats=1, progress=False)
+    row = report["batches"][0]
+    assert row["exact_equal"] == [True] and row["plain_tokens"] == row["spec_tokens"] >= 5

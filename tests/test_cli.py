@@ -430,3 +430,56 @@ def test_bad_tree_flags_are_one_line(capsys, flags, message):
     assert main([*TREE, *flags]) == 2
     line = one_error_line(capsys)
     assert line.startswith("specdec-jax: error:") and message in line
+
+
+# ---------------------------------------------------------------- grammar constraints (docs/constraints.md)
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}, "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_regex_and_json_schema_flags_constrain_every_output(tmp_path, capsys):
+    """--regex and --json-schema FILE reach the engine: every row matches or validates, speculation
+    emits what plain decoding emits."""
+    import re
+
+    import jsonschema
+
+    prompts = ["--prompt", "hello hello", "--prompt", "abcabcabc", "--max-new-tokens", "40"]
+    regex = r"(yes|no), [a-z]{2,5}( [a-z]{2,5})*\."
+    spec, _ = generate_json(tmp_path, capsys, *prompts, "--regex", regex, name="regex.json")
+    plain, _ = generate_json(tmp_path, capsys, *prompts, "--regex", regex, "--drafter", "none", name="plain.json")
+    assert [r["tokens"] for r in spec["results"]] == [r["tokens"] for r in plain["results"]]
+    for r in spec["results"]:
+        assert re.fullmatch(regex, r["text"]) and r["stop_reason"] in ("eos", "grammar", "length")
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON_SCHEMA))
+    report, captured = generate_json(tmp_path, capsys, *prompts, "--json-schema", str(schema), name="schema.json")
+    assert report["config"]["json_schema"] == str(schema)
+    for r in report["results"]:
+        jsonschema.validate(json.loads(bytes(t for t in r["tokens"] if t < 256)), PERSON_SCHEMA)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--regex", "(ab"], "regex '(ab' is not one outlines-core compiles"),
+    (["--regex", "[0-9]{30}"], "the constraint's shortest match is 30 tokens, more than max_new_tokens (8)"),
+    (["--regex", "a", "--json-schema", "s.json"], "regex and json_schema exclude each other"),
+    (["--json-schema", "missing.json"], "json_schema: cannot read missing.json"),
+])
+def test_bad_constraints_are_one_line_and_exit_2(capsys, flags, message):
+    assert main([*BASE, "--prompt", "ab", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("schema, message", [
+    ("{not json", "the JSON schema is not valid JSON"),
+    ('{"type": "object", "properties": {"a": {"type": "string", "format": "ipv4"}}}',
+     "outlines-core cannot turn the JSON schema into a regex"),
+])
+def test_bad_schema_files_name_the_file(tmp_path, capsys, schema, message):
+    path = tmp_path / "schema.json"
+    path.write_text(schema)
+    assert main([*BASE, "--prompt", "ab", "--json-schema", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specdec-jax: error: {path}: {message}"), err

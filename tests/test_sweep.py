@@ -159,3 +159,14 @@ def test_sweep_cli_prints_the_table_and_errors_cleanly(tmp_path, capsys):
     assert "| gamma | mean_accepted_length" in capsys.readouterr().out
     assert main(["sweep", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "sweep file not found" in capsys.readouterr().err
+
+
+def test_a_sweep_over_constraints(tmp_path):
+    """regex is a config key like any other: a grid over two regexes, each point constrained by its own
+    ("yes" or "no": 3 or 2 bytes; three digits: 3)."""
+    base = "{model: tiny-random, drafter: ngram, gamma: 2, max_new_tokens: 8, raw: true, prompt: [ab]}"
+    path = write_sweep(tmp_path, grid="{regex: ['(yes|no)', '[0-9]{3}']}", base=base)
+    records = sweep(path, tmp_path / "out", progress=False)
+    assert [r["point"]["regex"] for r in records] == ["(yes|no)", "[0-9]{3}"]
+    emitted = [r["metrics"]["emitted_tokens"] for r in records]
+    assert emitted[0] in (2, 3) and emitted[1] == 3
