@@ -31,7 +31,7 @@ from grammar_tables import ITEMS, PERSON, TOOL_CALL
 from specdec_jax.drafters.base import DrafterBase, Proposal
 from specdec_jax.sampling import first_argmax
 
-SCHEMAS = {"person": PERSON, "items": ITEMS, "tool call": TOOL_CALL}
+SCHEMAS = {"person": PERSON, "items": {**ITEMS, "minItems": 3}, "tool call": TOOL_CALL}  # minItems: no "[]"
 PROMPTS = {  # schema -> prompts asking for it (chat template applied)
     "person": ["Describe a fictional person as a JSON object with their name, age and email.",
                "Give me a JSON record for a software engineer called Ada: name, age and email."],
