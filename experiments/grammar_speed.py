@@ -8,8 +8,8 @@ then the mask's own cost: the per-round work the constraint adds (the states alo
 the allowed-token gather, the masked logits) timed alone at verify widths 1 and 5, as a fraction
 of T1 (one plain target pass).
 
-    python experiments/grammar_speed.py                                # every setup
-    python experiments/grammar_speed.py --setups "smollm2 n-gram"      # one
+    python experiments/grammar_speed.py                                # n-gram (SmolLM2, Qwen), the Qwen pair
+    python experiments/grammar_speed.py --setups "smollm2 EAGLE head"  # a trained head in the cache
     python experiments/grammar_speed.py --tables                       # table and figure from results
 """
 
@@ -25,7 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import RESULTS, markdown_table, pyplot, save, write_json
+from common import RESULTS, cached_draft_model, markdown_table, pyplot, save, write_json
 from grammar_tables import ITEMS, PERSON, TOOL_CALL
 
 from specdec_jax.drafters.base import DrafterBase, Proposal
@@ -45,7 +45,11 @@ SETUPS = {  # name -> RunConfig fields
     "qwen 1.5B n-gram": {"model": "qwen2.5-coder-1.5b", "drafter": "ngram"},
     "qwen 1.5B + 0.5B draft": {"model": "qwen2.5-coder-1.5b", "drafter": "draft-model",
                                "draft_model": "qwen2.5-coder-0.5b"},
+    # the head `eagle_recipe.py` (or `specdec-jax train-draft --config configs/train/smollm2-eagle.yaml`) leaves in
+    # the cache; not run by default
+    "smollm2 EAGLE head": {"model": "smollm2-135m", "drafter": "eagle"},
 }
+DEFAULT_SETUPS = ("smollm2 n-gram", "qwen 1.5B n-gram", "qwen 1.5B + 0.5B draft")
 MASK_WIDTHS = (1, 5)
 
 
@@ -55,7 +59,7 @@ def records() -> list[dict]:
 
 
 def run_setup(name: str, args) -> dict:
-    """{"free": bench report, "<schema>": bench report under that schema, "mask": mask_cost}."""
+    """{"free": bench report, "<schema>": bench report under that schema}."""
     from specdec_jax.bench import bench
     from specdec_jax.config import RunConfig
 
@@ -63,7 +67,10 @@ def run_setup(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prompts = pathlib.Path(tmp) / "prompts.jsonl"
         prompts.write_text("\n".join(json.dumps(r) for r in records()))
-        base = dict(SETUPS[name], max_new_tokens=args.max_new_tokens, prompts_file=str(prompts), gamma="auto")
+        setup = dict(SETUPS[name])
+        if setup["drafter"] == "eagle":
+            setup["draft_model"] = cached_draft_model("eagle")
+        base = dict(setup, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts), gamma="auto")
         out["free"] = bench(RunConfig(**base), repeats=args.repeats)
         for schema, body in SCHEMAS.items():
             path = pathlib.Path(tmp) / "schema.json"
@@ -72,7 +79,6 @@ def run_setup(name: str, args) -> dict:
             only.write_text("\n".join(json.dumps(r) for r in records() if r["category"] == schema))
             out[schema] = bench(RunConfig(**{**base, "prompts_file": str(only), "json_schema": str(path)}),
                                 repeats=args.repeats)
-    out["mask"] = mask_cost(SETUPS[name]["model"], repeats=args.mask_repeats)
     return out
 
 
@@ -129,30 +135,27 @@ class FixedChain(DrafterBase):
 
 def table(results: dict) -> str:
     rows = []
-    for setup, out in results.items():
+    for setup, out in results["setups"].items():
         free = out["free"]["categories"]
         for schema in SCHEMAS:
-            if schema not in out:
-                continue
             con = out[schema]["overall"]
             rows.append([setup, schema, f"{free[schema]['tokens_per_round']:.2f}", f"{con['tokens_per_round']:.2f}",
                          f"{free[schema]['speedup']:.2f}x", f"{con['speedup']:.2f}x",
                          f"{con['plain_tokens_per_s']:.1f}", f"{con['spec_tokens_per_s']:.1f}"])
     main = markdown_table(["setup", "schema", "tokens/round free", "tokens/round constrained", "speedup free",
                            "speedup constrained", "plain tok/s (constrained)", "spec tok/s (constrained)"], rows)
-    cost = [[setup, f"{1e3 * out['mask']['T1_s']:.1f}",
-             *(f"{1e3 * out['mask'][f'mask_s_width_{w}']:.2f} ({out['mask'][f'mask_s_width_{w}'] / out['mask']['T1_s']:.1%})"
-               for w in MASK_WIDTHS)]
-            for setup, out in results.items() if "mask" in out]
+    cost = [[model, f"{1e3 * m['T1_s']:.1f}",
+             *(f"{1e3 * m[f'mask_s_width_{w}']:.2f} ({m[f'mask_s_width_{w}'] / m['T1_s']:.1%})" for w in MASK_WIDTHS)]
+            for model, m in results["mask"].items()]
     return main + "\n\nThe constraint's per-round work (tool-call schema, batch 1):\n\n" + markdown_table(
-        ["setup", "T1 ms", *(f"mask ms at width {w} (of T1)" for w in MASK_WIDTHS)], cost)
+        ["target", "T1 ms", *(f"mask ms at width {w} (of T1)" for w in MASK_WIDTHS)], cost)
 
 
 def figure(results: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     labels, free_tau, con_tau, free_speed, con_speed = [], [], [], [], []
-    for setup, out in results.items():
+    for setup, out in results["setups"].items():
         for schema in SCHEMAS:
             if schema in out:
                 labels.append(f"{setup}\n{schema}")
@@ -175,7 +178,7 @@ def figure(results: dict):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS), choices=list(SETUPS))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--mask-repeats", type=int, default=50, help="timed calls per mask measurement")
@@ -183,12 +186,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "grammar_speed")
     args = parser.parse_args(argv)
     path = args.out / "results.json"
-    results = json.loads(path.read_text()) if path.is_file() else {}
+    results = json.loads(path.read_text()) if path.is_file() else {"setups": {}, "mask": {}}
     if not args.tables:
+        args.out.mkdir(parents=True, exist_ok=True)
         for name in args.setups:
-            results[name] = run_setup(name, args)
-            args.out.mkdir(parents=True, exist_ok=True)
-            write_json(path, results)  # after each setup: a stopped run keeps the finished ones
+            results["setups"][name] = run_setup(name, args)
+            write_json(path, results)  # after each step: a stopped run keeps the finished ones
+            model = SETUPS[name]["model"]
+            if model not in results["mask"]:  # the mask's cost depends on the target alone
+                results["mask"][model] = mask_cost(model, repeats=args.mask_repeats)
+                write_json(path, results)
     save(args.out, results, table(results), figure(results))
     print(table(results))
     return 0

@@ -1,6 +1,6 @@
 """Grammar constraints inside the decoding loop (docs/constraints.md).
 
-Greedy: constrained speculative decoding equals constrained plain decoding, for every drafter kind
+Greedy: constrained speculative decoding equals constrained plain decoding, for every drafter
 (chains and trees, point masses and sampled q), on a ragged batch whose rows have different
 constraints or none, and every output fully matches its regex or validates against its schema
 (`re.fullmatch`, `jsonschema`). Sampling: the law of whole constrained sequences on a toy
@@ -24,12 +24,15 @@ import jsonschema
 import numpy as np
 import pytest
 import regex
+from pydivsufsort import divsufsort
 
 import engine_helpers as H
 from specdec_jax import engine, grammar
 from specdec_jax.audit import chi_square, continuation_codes, continuation_logits, noisy_copy
 from specdec_jax.constraints import Constraint, build_tables, compile_constraint
-from specdec_jax.drafters import EagleConfig, EagleDrafter, ModelDrafter
+from specdec_jax.datastore import SEP, Datastore
+from specdec_jax.drafters import (EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter,
+                                  RetrievalDrafter)
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import ShapePolicy, round as engine_round
 from specdec_jax.models import LlamaConfig, random_llama
@@ -81,8 +84,24 @@ def eagle_head(tree: TreeShape | None = None) -> EagleDrafter:
     return EagleDrafter(head, init_eagle(head, jax.random.key(5)), tree=tree)
 
 
+def medusa_heads() -> MedusaDrafter:
+    cfg, rng = H.target().config, np.random.default_rng(5)
+    params = {"w": (rng.standard_normal((3, cfg.hidden_size, cfg.hidden_size)) / np.sqrt(cfg.hidden_size)).astype(
+        np.float32), "b": rng.standard_normal((3, cfg.hidden_size)).astype(np.float32)}
+    return MedusaDrafter(MedusaConfig(cfg.hidden_size, cfg.vocab_size, 3), params)
+
+
+def retrieval_of_the_outputs() -> RetrievalDrafter:
+    """A datastore holding the constrained outputs themselves: its drafts are mostly right."""
+    tokens = np.asarray([t for out in constrained_plain().tokens for t in out + [SEP]], np.int32)
+    store = Datastore(tokens, np.asarray(divsufsort(tokens), np.int32), {"sources": ["outputs"], "tokenizer": "bytes"})
+    return RetrievalDrafter.from_datastore(store)
+
+
 DRAFTERS = {
     "ngram": (H.ngram, 4),
+    "retrieval": (retrieval_of_the_outputs, 4),
+    "medusa": (medusa_heads, 3),
     "draft-model": (H.model_drafter, 4),
     "oracle": (lambda: H.oracle(0.8), 4),
     "eagle": (eagle_head, 3),
@@ -110,7 +129,7 @@ def test_greedy_constrained_spec_equals_constrained_plain(name):
     out, ref = constrained(make(), gamma), constrained_plain()
     assert out.tokens == ref.tokens and out.stop_reasons == ref.stop_reasons
     assert out.metrics.draft_tokens > 0
-    if name in ("ngram", "oracle", "decoy-tree-of-oracle"):  # drafts that are often right were accepted
+    if name in ("ngram", "retrieval", "oracle", "decoy-tree-of-oracle"):  # drafts that are often right were accepted
         assert out.metrics.accepted_tokens > 0 and out.metrics.rounds < ref.metrics.rounds
 
 

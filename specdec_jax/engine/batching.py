@@ -197,7 +197,6 @@ def row_grammars(grammars, num_rows: int, batch: int, vocab_size: int, max_new_t
     free grammar), from ``grammars``: None, one `constraints.GrammarTables` for every row, or one per
     row (None: no constraint); (None, None) when no row has one. A constraint whose shortest match
     is longer than ``max_new_tokens`` is a ValueError, and so is one that matches only the empty text."""
-
     if grammars is None:
         return None, None
     per_row = list(grammars) if isinstance(grammars, (list, tuple)) else [grammars] * num_rows
@@ -209,7 +208,7 @@ def row_grammars(grammars, num_rows: int, batch: int, vocab_size: int, max_new_t
     tables = stack_grammars(distinct, vocab_size)
     initial, distance = np.asarray(tables.initial), np.asarray(tables.distance)
     empty_only = np.asarray(finished(tables, tables.initial, jnp.full(initial.shape, max_new_tokens)))
-    for k, _ in enumerate(distinct, start=1):
+    for k in range(1, len(distinct) + 1):
         start = initial[k]
         if empty_only[k]:
             raise ValueError("the constraint matches only the empty text (within max_new_tokens): there is nothing "

@@ -8,16 +8,16 @@
     target_pass   the target over [t0, d1..dG] at slots lengths + s, positions lengths + s (a chain)
                   or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`);
                   a `TargetPass`: its logits, or, when nothing past the pass reads them, only
-                  the greedy tokens, reduced inside each width's branch
-                  under a grammar constraint, its logits past each input's own path's allowed
-                  tokens are -inf (`verify_masks`, docs/constraints.md)
+                  the greedy tokens, reduced inside each width's branch; under a grammar
+                  constraint the logits of tokens the grammar refuses after each input's own
+                  path are -inf (`verify_masks`, docs/constraints.md)
     target_law    the processed law p at each verified position (penalties, temperature, filters);
                   target_argmax its greedy token, when no row samples (no law is built then)
     accept        the verification rule on the pass's scores: accepted drafts, correction or
                   bonus, stop/budget cut (`verify` for chains, `verify_tree` for trees)
     commit        the pass's keys/values (a tree's accepted path moved to the front, so the cache
                   holds a chain again), tokens, cache lengths (the rollback), record_top_k, the
-                      drafter's hook, metrics
+                  drafter's hook, metrics
     stop_reasons  which live rows just ended, and why (a grammar's: a whole match nothing may follow)
 
 With `EngineSpec.policy` set (`--gamma auto`), `draft_step` chooses the
