@@ -151,7 +151,7 @@ def test_the_budget_ends_every_row_on_a_whole_match():
             assert re.fullmatch(r"[0-9]+ ?[a-z]*!", text_of(tokens)), text_of(tokens)
 
 
-@pytest.mark.parametrize("drafter", ["draft-model", "ngram-trie"])
+@pytest.mark.parametrize("drafter", ["draft-model", pytest.param("ngram-trie", marks=pytest.mark.slow)])
 def test_sampled_constrained_rows_all_validate(drafter):
     """256 sampled rows (temperature 1) per constraint through speculation: every one matches."""
     make, gamma = DRAFTERS[drafter]
