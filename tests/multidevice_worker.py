@@ -26,6 +26,7 @@ import numpy as np
 
 from specdec_jax import engine, runner, sharding
 from specdec_jax.config import RunConfig
+from specdec_jax.constraints import Constraint, compile_constraint
 from specdec_jax.drafters import (EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter,
                                   oracle_drafter)
 from specdec_jax.drafters.eagle import init_eagle
@@ -64,7 +65,16 @@ def cases(target, draft):
         "oracle": (oracle_drafter(TARGET, target.params(), 0.7), GREEDY),
         "eagle-mixed": (EagleDrafter(EAGLE, init_eagle(EAGLE, jax.random.key(2))), mixed),
         "medusa-mixed": (MedusaDrafter(MEDUSA, medusa_params()), mixed),
+        "draft-model-constrained-mixed": (ModelDrafter(DRAFT, draft.params()), mixed),  # `row_grammars`
     }
+
+
+def row_grammars(name: str):
+    """Per-row grammar tables of a case whose name says "constrained" (every other row; None: none)."""
+    if "constrained" not in name:
+        return None
+    tables = compile_constraint(Constraint(regex=r"[a-e]{1,4}( [a-e]{1,4})*\."), ByteTokenizer())
+    return [tables if row % 2 else None for row in range(len(prompts()))]
 
 
 EAGLE = EagleConfig(TARGET.hidden_size, TARGET.vocab_size, 128, 8, 4, 8, feature_layers=(0, -1))  # 4 KV heads
@@ -88,7 +98,8 @@ def run(mesh_text: str, names: list[str], target, draft) -> dict:
     for name in names:
         drafter, sampling = cases(target, draft)[name]
         gamma = 0 if drafter is None else 3
-        kwargs = dict(gamma=gamma, sampling=sampling, max_new_tokens=MAX_NEW, seed=5, mesh=mesh)
+        kwargs = dict(gamma=gamma, sampling=sampling, max_new_tokens=MAX_NEW, seed=5, mesh=mesh,
+                      grammars=row_grammars(name))
         result = engine.generate(target, prompts(), drafter, **kwargs)
         out[name] = {"tokens": result.tokens, "stop_reasons": result.stop_reasons}
     run = engine.prepare(target, prompts(), NgramDrafter(), gamma=3, max_new_tokens=MAX_NEW, mesh=mesh)
