@@ -153,12 +153,12 @@ def table(results: dict) -> str:
 
 def figure(results: dict):
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     labels, free_tau, con_tau, free_speed, con_speed = [], [], [], [], []
     for setup, out in results["setups"].items():
         for schema in SCHEMAS:
             if schema in out:
-                labels.append(f"{setup}\n{schema}")
+                labels.append(f"{setup}: {schema}")
                 free_tau.append(out["free"]["categories"][schema]["tokens_per_round"])
                 con_tau.append(out[schema]["overall"]["tokens_per_round"])
                 free_speed.append(out["free"]["categories"][schema]["speedup"])
@@ -168,7 +168,7 @@ def figure(results: dict):
                                 (axes[1], free_speed, con_speed, "speedup over plain decoding")):
         ax.bar([i - 0.2 for i in x], free, 0.4, label="no constraint")
         ax.bar([i + 0.2 for i in x], con, 0.4, label="JSON schema")
-        ax.set_xticks(list(x), labels, fontsize=6, rotation=30, ha="right")
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=50, ha="right")
         ax.set_ylabel(name)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[0].legend(fontsize=8)

@@ -95,7 +95,7 @@ def main() -> None:
     meta = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32", "new_tokens": NEW_TOKENS,
             "transformers": __import__("transformers").__version__, "torch": torch.__version__,
             "outlines_core": __import__("importlib.metadata").metadata.version("outlines-core")}
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "records": records}))
     print(f"wrote {args.out}")
 
 
