@@ -16,19 +16,15 @@ of T1 (one plain target pass).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 from common import RESULTS, cached_draft_model, markdown_table, pyplot, save, write_json
 from grammar_tables import ITEMS, PERSON, TOOL_CALL
 
-from specdec_jax.drafters.base import DrafterBase, Proposal
 from specdec_jax.sampling import first_argmax
 
 SCHEMAS = {"person": PERSON, "items": {**ITEMS, "minItems": 3}, "tool call": TOOL_CALL}  # minItems: no "[]"
@@ -84,10 +80,12 @@ def run_setup(name: str, args) -> dict:
 
 def mask_cost(model: str, repeats: int = 50) -> dict:
     """Seconds of the constraint's per-round work at each of MASK_WIDTHS verified positions (the tool-call
-    schema, batch 1: the states along a fixed chain of drafts, the allowed tokens, the masked logits'
-    argmax less the bare argmax), medians of jitted calls, beside T1."""
+    schema, batch 1: the states along the prepared state's chain of drafts, token 0 each, the allowed
+    tokens, the masked logits' argmax less the bare argmax), medians of jitted calls, beside T1."""
     from specdec_jax import engine
+    from specdec_jax.bench import median_time
     from specdec_jax.constraints import Constraint, compile_constraint
+    from specdec_jax.drafters import NgramDrafter
     from specdec_jax.engine.calibration import time_target_pass
     from specdec_jax.engine.round import row_grammar, verify_masks
     from specdec_jax.models import load_model
@@ -98,39 +96,14 @@ def mask_cost(model: str, repeats: int = 50) -> dict:
     plain = engine.prepare(target, [prompt], max_new_tokens=64)
     out = {"T1_s": time_target_pass(plain, 1), "states": tables.num_states, "classes": tables.num_classes}
     for width in MASK_WIDTHS:
-        run = engine.prepare(target, [prompt], FixedChain(), gamma=width - 1, max_new_tokens=64, grammars=tables)
-        state = engine.draft_step(run.spec, run.params, run.state)
+        run = engine.prepare(target, [prompt], NgramDrafter(), gamma=width - 1, max_new_tokens=64, grammars=tables)
         logits = jax.random.normal(jax.random.key(0), (1, width, target.config.vocab_size))
         masked = jax.jit(lambda s, x: first_argmax(jnp.where(verify_masks(s, row_grammar(run.params, s)), x, -jnp.inf)))
         bare = jax.jit(lambda s, x: first_argmax(x))
-        out[f"mask_s_width_{width}"] = (_median_s(masked, state, logits, repeats=repeats)
-                                        - _median_s(bare, state, logits, repeats=repeats))
+        out[f"mask_s_width_{width}"] = (
+            median_time(lambda: jax.block_until_ready(masked(run.state, logits)), repeats)
+            - median_time(lambda: jax.block_until_ready(bare(run.state, logits)), repeats))
     return out
-
-
-def _median_s(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedChain(DrafterBase):
-    """Proposes gamma copies of token 0: a chain to time the masks along."""
-
-    params: None = None
-    name: str = "fixed-chain"
-
-    def init(self, params, prefill):
-        return None
-
-    def propose(self, params, state, ctx, gamma):
-        batch = ctx.num_tokens.shape[0]
-        return Proposal(jnp.zeros((batch, gamma), jnp.int32), jnp.full((batch,), gamma, jnp.int32), None), state
 
 
 def table(results: dict) -> str:

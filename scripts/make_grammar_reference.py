@@ -19,7 +19,7 @@ import pathlib
 
 import numpy as np
 
-from specdec_jax.models.fetch import smollm2_gguf
+from make_hf_reference import smollm2_in_transformers  # this folder's script
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "grammar_hf_reference.json"
 NEW_TOKENS = 96
@@ -54,14 +54,12 @@ def outlines_index(tok, pattern: str):
 def main() -> None:
     import torch
     from outlines_core.json_schema import build_regex_from_schema
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args()
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok, model = smollm2_in_transformers()
 
     class Constrained(LogitsProcessor):
         """Allows the tokens the Index allows after the text generated so far."""

@@ -27,16 +27,23 @@ NUM_PROMPTS, NEW_TOKENS, TOP, STRIDE = 10, 64, 64, 97
 PENALTY_PROMPTS, REPETITION_PENALTY = 4, 1.3
 
 
-def main() -> None:
+def smollm2_in_transformers():
+    """(tokenizer, model): transformers' SmolLM2-135M-Instruct from the registry's GGUF, float32, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return tok, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def main() -> None:
+    import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args()
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok, model = smollm2_in_transformers()
     records, penalty_records = [], []
     for q in spec_bench_questions()[:NUM_PROMPTS]:
         ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True)
