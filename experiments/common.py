@@ -158,14 +158,14 @@ def prompt_record(question: dict) -> dict:
 
 def run_folder(kind: str) -> pathlib.Path:
     """The cache folder `experiments/eagle_recipe.py` trains head `kind` (eagle, medusa) in."""
-    from specdec_jax.models.fetch import cache_dir
+    from specdec_jax.cache import cache_dir
 
     return cache_dir() / "heads" / pathlib.Path(HEAD_CONFIGS[kind]).stem
 
 
 def standalone_draft() -> pathlib.Path | None:
     """The standalone draft `experiments/train_draft_recipe.py` left in the cache, or None."""
-    from specdec_jax.models.fetch import cache_dir
+    from specdec_jax.cache import cache_dir
 
     draft = cache_dir() / STANDALONE_DRAFT / "draft"
     return draft if (draft / "specdec_model.json").is_file() else None

@@ -43,7 +43,7 @@ from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters.heads import is_head_dir
 from specdec_jax.engine import AUTO
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax.cache import cache_dir
 
 DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")
 

@@ -39,7 +39,7 @@ from specdec_jax.distill.kinds import kind_of, shared_target_weights
 from specdec_jax.distill.train import make_eval, train_draft
 from specdec_jax.drafters import load_head
 from specdec_jax.models import load_model
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax.cache import cache_dir
 
 EVAL_TTT_STEPS = 2  # drafts 2 and 3 evaluated for every variant
 

@@ -271,18 +271,19 @@ def stdlib_source() -> pathlib.Path:
     suite left out), written once into the cache: a code datastore found on any machine."""
     import sysconfig
 
-    from specdec_jax.models.fetch import cache_dir
+    from specdec_jax import cache
+    from specdec_jax.cache import cache_dir
 
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     path = cache_dir() / "sources" / f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib.jsonl"
-    if not path.is_file():
+
+    def build(tmp: pathlib.Path) -> pathlib.Path:
         files = sorted(f for f in stdlib.rglob("*.py") if not {"site-packages", "test", "__pycache__"} &
                        set(f.relative_to(stdlib).parts))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text("".join(json.dumps({"text": f.read_text(errors="replace")}) + "\n" for f in files))
-        partial.replace(path)
-    return path
+        tmp.write_text("".join(json.dumps({"text": f.read_text(errors="replace")}) + "\n" for f in files))
+        return path
+
+    return cache.entry(path, "the standard library's sources", lambda found: found, build)
 
 
 def run_retrieval(args) -> dict:

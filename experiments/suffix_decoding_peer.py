@@ -40,7 +40,8 @@ import numpy as np
 
 from common import write_json
 
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax import cache
+from specdec_jax.cache import cache_dir
 
 ARCTIC = "arctic-inference==0.3.0"
 NANOBIND = "nanobind==2.9.2"
@@ -53,14 +54,14 @@ SETTINGS = {  # name -> (max_spec_tokens, use_tree_spec, max_spec_factor)
 def suffix_decoding():
     """arctic_inference.suffix_decoding, built into the cache on first use."""
     home = cache_dir() / "peers" / ARCTIC.replace("==", "-")
-    package = home / "arctic_inference" / "suffix_decoding"
-    if not list(package.glob("_C*.so")):
-        _build(home)
+    cache.entry(home, "arctic-inference's suffix decoding",
+                lambda found: found if list(found.glob("arctic_inference/suffix_decoding/_C*.so")) else None, _build)
     sys.path.insert(0, str(home))
     return importlib.import_module("arctic_inference.suffix_decoding")
 
 
 def _build(home: pathlib.Path) -> None:
+    """Builds the package into ``home`` (a partial that `cache.entry` publishes)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         for spec in (ARCTIC, NANOBIND):
@@ -84,7 +85,7 @@ def _build(home: pathlib.Path) -> None:
         for name in ("__init__.py", "cache.py"):
             shutil.copy(source / "arctic_inference" / "suffix_decoding" / name, package / name)
         shutil.copy(next(build.glob("_C*.so")), package)
-        print(f"built arctic-inference's suffix decoding into {home}", flush=True)
+        print(f"built arctic-inference's suffix decoding into {home.parent}", flush=True)
 
 
 def replay(cache, rows: list[dict], setting: tuple[int, bool, float], first_id: int = 0) -> tuple[int, int]:

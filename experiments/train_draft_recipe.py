@@ -33,7 +33,7 @@ from specdec_jax.bench import bench
 from specdec_jax.config import RunConfig
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.train import train_draft
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax.cache import cache_dir
 
 
 def main(argv=None) -> int:

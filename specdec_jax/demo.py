@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from specdec_jax.compare import compare_greedy, teacher_forced_margins
 from specdec_jax.drafters.heads import is_head_dir
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax.cache import cache_dir
 from specdec_jax.config import RunConfig
 from specdec_jax.data import PAIR_PROMPTS
 from specdec_jax.engine import default_capacity, generate

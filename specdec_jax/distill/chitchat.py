@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 
-from specdec_jax.models.fetch import WheelFile, cache_dir, fetched_file
+from specdec_jax.cache import cache_dir
+from specdec_jax.models.fetch import WheelFile, fetched_file
 
 CHITCHAT = WheelFile("dataset.json", (("chitchat-dataset==0.9.0", "chitchat_dataset/dataset.json"),),
                      "d2a5d0bf6acf354fef51f3af39cbece2220d3b8f6086b658c3d335105798312a", "an 8 MB download")

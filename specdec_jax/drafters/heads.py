@@ -22,6 +22,7 @@ import numpy as np
 from specdec_jax import interrupts
 from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, eagle_shapes
 from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_shapes
+from specdec_jax.files import write_text_atomic
 from specdec_jax.models.llama import LAYOUT, from_in_out_layout
 
 HEAD_MARKER = "specdec_head.json"
@@ -45,7 +46,7 @@ def save_head(folder: str | pathlib.Path, kind: str, config, arrays: dict, targe
         checkpointer.wait_until_finished()
     marker = {"kind": kind, "config": dataclasses.asdict(config), "target": target, "layout": LAYOUT,
               "info": info or {}}
-    (folder / HEAD_MARKER).write_text(json.dumps(marker, indent=1, default=lambda x: x.tolist()))
+    write_text_atomic(folder / HEAD_MARKER, json.dumps(marker, indent=1, default=lambda x: x.tolist()))
     return folder
 
 

@@ -23,6 +23,7 @@ the cache makes the next run free.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax import cache
+from specdec_jax.cache import cache_dir
 from specdec_jax.engine.batching import prepare
 from specdec_jax.engine.round import decode_round, draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, FREE_DRAFTS, ShapePolicy, auto_shapes
@@ -201,24 +204,24 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
 
 def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False) -> dict:
     """`measure_costs` of `gammas` (default `auto_shapes`; for a tree drafter, node counts), read
-    from the disk cache unless `refresh` (or measured and cached); adds ``tree``."""
-    from specdec_jax.models.fetch import cache_dir
-
+    from the disk cache unless `refresh` (or measured and cached); adds ``tree``. Process 0 holds the
+    entry's lock (`cache.locked`) from reading to writing: another run waits for these costs rather
+    than measuring beside them (the other processes of this run measure with it, unlocked)."""
     default, tree = auto_shapes(drafter)
     gammas = tuple(sorted({0, *map(int, default if gammas is None else gammas)}))
     key = calibration_key(target, drafter, batch, capacity, gammas)
     path = cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    costs = None
-    if path.is_file() and not refresh:
-        costs = _read_costs(path, key, gammas)
-    # A multi-host run takes process 0's costs (cached or measured): one policy, one program everywhere.
-    costs = same_on_every_process(costs)
-    if costs is None:
-        print(f"calibrating shapes {list(gammas)} on {jax.devices()[0].device_kind} (batch {batch}, capacity "
-              f"{capacity}; cached in {path.parent})", flush=True)
-        costs = same_on_every_process(measure_costs(target, drafter, batch, capacity, gammas, tree))
-        if jax.process_index() == 0:
-            write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))
+    first = jax.process_index() == 0
+    with cache.locked(path, f"the calibration in {path}") if first else contextlib.nullcontext():
+        costs = _read_costs(path, key, gammas) if path.is_file() and not refresh else None
+        # A multi-host run takes process 0's costs (cached or measured): one policy, one program everywhere.
+        costs = same_on_every_process(costs)
+        if costs is None:
+            print(f"calibrating shapes {list(gammas)} on {jax.devices()[0].device_kind} (batch {batch}, capacity "
+                  f"{capacity}; cached in {path.parent})", flush=True)
+            costs = same_on_every_process(measure_costs(target, drafter, batch, capacity, gammas, tree))
+            if first:
+                write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))
     return {**costs, "tree": tree}
 
 

