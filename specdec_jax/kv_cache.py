@@ -41,7 +41,7 @@ def ordered_read(read, cache: "KVCache"):
 @struct.dataclass
 class KVBlock:
     """The keys and values a pass computed for its S block tokens, not yet written into a cache
-    (`TargetModel.apply(..., defer_writes=True)`): L x f32[B,S,Hkv,D] each."""
+    (`TargetModel.apply(..., defer_writes=True)`): L x [B,S,Hkv,D] each, in the model's dtype."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -62,8 +62,8 @@ class KVBlock:
 class KVCache:
     """Per-layer keys and values plus the committed length of each row."""
 
-    k: tuple[jax.Array, ...]  # L x f32[B,Hkv,T,D]
-    v: tuple[jax.Array, ...]  # L x f32[B,Hkv,D,T]
+    k: tuple[jax.Array, ...]  # L x [B,Hkv,T,D], in the model's dtype (float32 or bfloat16)
+    v: tuple[jax.Array, ...]  # L x [B,Hkv,D,T], likewise
     lengths: jax.Array  # i32[B]
 
     @classmethod
@@ -97,7 +97,8 @@ class KVCache:
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
     def write(self, layer: int, new_k: jax.Array, new_v: jax.Array) -> KVCache:
-        """Writes ``new_k, new_v: f32[B,S,Hkv,D]`` of layer ``layer`` at slots ``lengths[b] + s``.
+        """Writes ``new_k, new_v: [B,S,Hkv,D]`` of layer ``layer`` at slots ``lengths[b] + s``, cast
+        to the buffers' dtype.
 
         It is a scatter with ``mode="drop"``: a slot ``>= T`` is discarded, never
         clamped onto an earlier slot (``dynamic_update_slice`` would clamp the whole

@@ -61,9 +61,9 @@ causal) that drafters and references use. ``lengths`` is returned unchanged.
 :class:`LlamaTarget` wraps the config as the engine's ``TargetModel``.
 
 Weights, the residual stream and the KV cache are in ``LlamaConfig.dtype``
-(float32 by default, or bfloat16: :meth:`Llama.astype`); matrix products run in
-that dtype, while RMSNorm statistics, RoPE angles, attention softmax and the
-output logits are computed in float32.
+(float32 by default, or bfloat16: :meth:`Llama.astype`); products with weights run in
+that dtype, while RMSNorm statistics, RoPE angles, the attention (scores, softmax and
+weighted sum, rounded once: :func:`attention`) and the output logits are computed in float32.
 """
 
 from __future__ import annotations
@@ -285,25 +285,32 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     bool[B,S,W]`` (:func:`visibility`). With ``block = (k_b [B,S,K,D], v_b
     [B,S,K,D], visible_b bool[B,S,S])`` the block's own keys/values are not in
     the cache: the softmax runs over the visible cache slots and block tokens
-    together. Returns ``[B,S,N,D]``.
+    together. Returns ``[B,S,N,D]`` in ``q``'s dtype.
+
+    Rule: scores, probabilities and the weighted sum of values are float32, rounded to
+    ``q``'s dtype once, at the end. The keys a verify pass reads from its block, the plain
+    step of the same token reads from the cache: the sum over keys is split in other places,
+    and rounding each part (or the probabilities) to bfloat16 would make the two outputs
+    differ (docs/models.md "Weight dtype").
     """
     batch, steps, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    f32 = jnp.float32
     q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("bskgd,bktd->bkgst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    scores = jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=f32) / math.sqrt(head_dim)
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     if block is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgst,bkdt->bskgd", probs, v)
-        return out.reshape(batch, steps, num_heads, head_dim)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgst,bkdt->bskgd", probs, v, preferred_element_type=f32)
+        return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype)
     k_block, v_block, visible_block = block
-    own = jnp.einsum("bskgd,bjkd->bkgsj", q, k_block).astype(jnp.float32) / math.sqrt(head_dim)
+    own = jnp.einsum("bskgd,bjkd->bkgsj", q, k_block, preferred_element_type=f32) / math.sqrt(head_dim)
     own = jnp.where(visible_block[:, None, None], own, -jnp.inf)
-    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1)
     width = k.shape[2]
-    out = (jnp.einsum("bkgst,bkdt->bskgd", probs[..., :width], v)
-           + jnp.einsum("bkgsj,bjkd->bskgd", probs[..., width:], v_block))
-    return out.reshape(batch, steps, num_heads, head_dim)
+    out = (jnp.einsum("bkgst,bkdt->bskgd", probs[..., :width], v, preferred_element_type=f32)
+           + jnp.einsum("bkgsj,bjkd->bskgd", probs[..., width:], v_block, preferred_element_type=f32))
+    return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype)
 
 
 def apply(
