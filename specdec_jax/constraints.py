@@ -11,8 +11,9 @@ state -> {token id: next state}). `compile_constraint` turns it into numpy array
 Classes. The dense table would be ``i32[S, V]``; tokens whose columns of it are equal (the same
 next state, or -1, in every state) share one class, so a constraint costs
 ``4 V + 4 S C + S`` bytes instead of ``4 S V``, with C much smaller than V (every digit token of a
-number is one class, every token that cannot occur is one class). The classes come from partition
-refinement, one state's row at a time, never the dense table. Two classes are always there:
+number is one class, every token that cannot occur is one class). The classes come from the
+transitions, never the dense table: two tokens share a class iff they have the same (state, next
+state) pairs. Two classes are always there:
 
 - `NEVER` (0): allowed nowhere: special tokens, and text tokens the constraint never admits;
   ids past V (logits padding) are to be read as this class;
@@ -39,6 +40,15 @@ Vocabulary. outlines-core matches token *bytes*: `token_bytes` decodes byte-leve
 writes; special tokens and stop ids have no bytes. Only byte-level tokenizers (`ByteTokenizer`, a
 `BPETokenizer` whose decoder is ByteLevel) are supported.
 
+JSON schemas. outlines-core turns a schema into a regex but ignores some keywords without a word;
+`json_schema.schema_pattern` enforces or refuses each of them first (docs/constraints.md lists them).
+
+Size. Every step after outlines-core's index is linear in the transitions (numpy over all edges at
+once, no per-state scans); the index itself walks every token from every state of the automaton,
+holding the interpreter. So a constraint is refused, in one line and before the work, past
+`MAX_PATTERN_CHARS` (the automaton), `MAX_INDEX_STEPS` (states x tokens: the index) and
+`MAX_TABLE_BYTES` (``next_state``), and a long build shows a progress bar from before the index.
+
 Cache. Tables are cached in ``$SPECDEC_CACHE/grammar/<key>.npz``; the key is the sha256 of the
 layout version, the outlines-core version, the regex, the stop ids and every token's bytes. An
 entry that is unreadable, holds another key or breaks the layout is built again, with one line.
@@ -56,19 +66,23 @@ import sys
 import zipfile
 
 import numpy as np
+from tqdm import tqdm
 
-from specdec_jax.files import replacing
-from specdec_jax.grammar import FIRST_TEXT_CLASS, NEVER, STOP, tokens_to_accept  # token classes (module docstring)
-from specdec_jax.models.fetch import cache_dir
+from specdec_jax import cache
+from specdec_jax.cache import cache_dir
+from specdec_jax.grammar import FIRST_TEXT_CLASS, NEVER, STOP  # token classes (module docstring)
+from specdec_jax.grammar import FAR, edge_distances, ranges, tokens_to_accept
+from specdec_jax.json_schema import first_line, schema_pattern
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TABLES_FORMAT = "grammar-tables-v1"  # part of the cache key: a change of layout builds again
 SHOWN_PATTERN = 80  # characters of a regex quoted in an error line
 END, END_PATTERN = "\U0010ffff", r"\x{10FFFF}"  # the end marker after the regex (module docstring)
-
-
-def _first_line(err: Exception, limit: int = 300) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0].strip()[:limit]
+# Size limits, each refused in one line before the work it bounds (times: a 2-core CPU)
+MAX_PATTERN_CHARS = 250_000  # a regex's characters: ~6 s at the limit (an enum of 16,000 strings, bytes)
+MAX_INDEX_STEPS = 10**9  # automaton states x tokens: outlines-core's index, ~40 s at the limit
+MAX_TABLE_BYTES = 2**28  # next_state i32[S, C]: 256 MiB, on the host and on every device
+SHOW_STEPS = 2 * 10**7  # a build of this many index steps (over a second) or more shows a progress bar
 
 
 def _shown(pattern: str) -> str:
@@ -96,15 +110,15 @@ class Constraint:
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
 
     def pattern(self) -> str:
-        """The regex; a schema's is outlines-core's (ValueError naming what it cannot convert)."""
-        if self.regex is not None:
-            return self.regex
-        from outlines_core.json_schema import build_regex_from_schema
+        """The regex; a schema's is `schema_pattern`'s (ValueError naming what it cannot enforce)."""
+        return self.regex if self.regex is not None else schema_pattern(self.json_schema, regex_writes)
 
-        try:
-            return build_regex_from_schema(self.json_schema)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"outlines-core cannot turn the JSON schema into a regex: {_first_line(err)}") from None
+
+def regex_writes(regex: str, raw: bytes) -> bool:
+    """Whether some match of ``regex`` holds one of the bytes ``raw`` (its tables over single bytes);
+    ValueError (one line) for a regex outlines-core cannot compile."""
+    tables = build_tables(regex, [bytes([b]) for b in range(256)] + [b""], (256,), progress=False)
+    return bool((tables.next_state[:, tables.token_class[list(raw)]] >= 0).any())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -177,12 +191,15 @@ def compile_constraint(constraint: Constraint, tokenizer) -> GrammarTables:
     stop_ids = tuple(int(i) for i in tokenizer.stop_ids)
     key = cache_key(pattern, vocabulary, stop_ids)
     path = cache_dir() / "grammar" / f"{key[:24]}.npz"
-    tables = _read_tables(path, key, len(vocabulary))
-    if tables is None:
-        tables = build_tables(pattern, vocabulary, stop_ids)
-        with replacing(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, key=np.array(key), token_class=tables.token_class, next_state=tables.next_state,
-                     accepting=tables.accepting, initial=np.array(tables.initial))
+    return cache.entry(path, f"the grammar tables of {pattern[:60]!r}", lambda p: _read_tables(p, key, len(vocabulary)),
+                       lambda tmp: _write_tables(tmp, key, build_tables(pattern, vocabulary, stop_ids)))
+
+
+def _write_tables(path, key: str, tables: GrammarTables) -> GrammarTables:
+    """``tables`` saved in ``path`` under ``key``."""
+    with open(path, "wb") as f:
+        np.savez(f, key=np.array(key), token_class=tables.token_class, next_state=tables.next_state,
+                 accepting=tables.accepting, initial=np.array(tables.initial))
     return tables
 
 
@@ -209,29 +226,97 @@ def _read_tables(path, key: str, vocab_size: int) -> GrammarTables | None:
             raise ValueError(f"{tables.token_class.size} token classes for {vocab_size} tokens")
         return tables
     except (OSError, ValueError, TypeError, KeyError, EOFError, zipfile.BadZipFile) as err:
-        print(f"the grammar cache {path} is unreadable ({_first_line(err, 200)}); building it again", file=sys.stderr)
+        print(f"the grammar cache {path} is unreadable ({first_line(err, 200)}); building it again", file=sys.stderr)
         return None
 
 
-def build_tables(pattern: str, vocabulary: list[bytes], stop_ids: tuple[int, ...]) -> GrammarTables:
+def build_tables(pattern: str, vocabulary: list[bytes], stop_ids: tuple[int, ...], progress: bool = True
+                 ) -> GrammarTables:
     """The tables of ``pattern`` over tokens with bytes ``vocabulary`` (one entry per id, b"" for
     tokens that are never text) and ``stop_ids`` (the STOP class). ValueError (one line) for a regex
-    outlines-core cannot compile and for one that no sequence of these tokens matches."""
-    end_id = len(vocabulary)
-    index = _outlines_index(pattern, vocabulary, stop_ids, end_id)
-    graph = _token_graph(index, skip={end_id, stop_ids[0]})
-    finals = index.get_final_states()
-    accepting = {state for state in graph if index.get_next_state(state, end_id) in finals}
-    states, rows = _live_rows(graph, index.get_initial_state(), accepting)
-    if not states:
-        raise ValueError(f"regex {_shown(pattern)}: no sequence of this tokenizer's tokens writes a match")
-    token_class = _token_classes(rows, len(vocabulary), stop_ids)
-    next_state = np.full((len(states), int(token_class.max()) + 1), -1, np.int32)
-    for state, (tokens, targets) in enumerate(rows):
-        next_state[state, token_class[tokens]] = targets
-    is_accepting = np.array([s in accepting for s in states])
-    next_state[is_accepting, STOP] = np.flatnonzero(is_accepting)
+    outlines-core cannot compile, for one that no sequence of these tokens matches, and for one past
+    a size limit (`MAX_PATTERN_CHARS`, `MAX_INDEX_STEPS`, `MAX_TABLE_BYTES`), refused before the work it
+    bounds. A build of `SHOW_STEPS` or more shows a progress bar (with ``progress``) from before
+    outlines-core's index: nothing can update it while that runs."""
+    states = _automaton_states(pattern)
+    steps = states * len(vocabulary)
+    _check_index_steps(states, len(vocabulary))
+    with tqdm(total=3, desc=f"grammar tables ({states:,} states x {len(vocabulary):,} tokens)", unit="step",
+              disable=not progress or steps < SHOW_STEPS, leave=False) as bar:
+        bar.set_postfix_str("outlines-core index")
+        end_id = len(vocabulary)
+        index = _outlines_index(pattern, vocabulary, stop_ids, end_id)
+        bar.update()
+        bar.set_postfix_str("transitions")
+        ids, source, tokens, target = _token_graph(index, skip={end_id, stop_ids[0]})
+        finals = index.get_final_states()
+        accepting = np.array([index.get_next_state(int(state), end_id) in finals for state in ids], bool)
+        initial = int(np.searchsorted(ids, index.get_initial_state()))
+        number = _live_numbering(source, target, accepting, initial)
+        if number is None:
+            raise ValueError(f"regex {_shown(pattern)}: no sequence of this tokenizer's tokens writes a match")
+        bar.update()
+        bar.set_postfix_str("token classes")
+        keep = (number[source] >= 0) & (number[target] >= 0)  # between the states kept
+        source, tokens, target = number[source[keep]], tokens[keep], number[target[keep]]
+        token_class = _token_classes(source, tokens, target, len(vocabulary), stop_ids)
+        num_states, num_classes = int(number.max()) + 1, int(token_class.max()) + 1
+        _check_table_bytes(num_states, num_classes)
+        next_state = np.full((num_states, num_classes), -1, np.int32)
+        next_state[source, token_class[tokens]] = target
+        is_accepting = np.zeros(num_states, bool)
+        is_accepting[number[number >= 0]] = accepting[number >= 0]
+        next_state[is_accepting, STOP] = np.flatnonzero(is_accepting)
+        bar.update()
     return GrammarTables(token_class, next_state, is_accepting, initial=0)
+
+
+def _check_index_steps(states: int, vocab_size: int) -> None:
+    """ValueError (one line) when outlines-core's index would walk more than `MAX_INDEX_STEPS` (state,
+    token) pairs: it walks every token's bytes from every state of the automaton, holding the
+    interpreter, in time proportional to their product and with no way to stop it."""
+    if states * vocab_size > MAX_INDEX_STEPS:
+        raise ValueError(f"the constraint's automaton has {states:,} states: indexing them over {vocab_size:,} tokens "
+                         f"is {states * vocab_size:.2g} steps, more than the limit {MAX_INDEX_STEPS:.0g}; "
+                         f"use a smaller regex, schema or enum")
+
+
+def _check_table_bytes(num_states: int, num_classes: int) -> None:
+    """ValueError (one line) when ``next_state`` (i32[S, C]) would take more than `MAX_TABLE_BYTES`."""
+    size = 4 * num_states * num_classes
+    if size > MAX_TABLE_BYTES:
+        raise ValueError(f"the grammar tables would take {size / 2**20:,.1f} MiB ({num_states:,} states x "
+                         f"{num_classes:,} token classes), more than the limit {MAX_TABLE_BYTES / 2**20:,.1f} MiB; "
+                         f"use a smaller regex, schema or enum")
+
+
+def _automaton_states(pattern: str) -> int:
+    """The states of ``pattern``'s automaton over bytes (outlines-core's index over the 256 byte tokens),
+    the ones its index over a vocabulary visits at most. ValueError (one line) for a regex longer than
+    `MAX_PATTERN_CHARS` (checked first: building the automaton takes time in proportion) and for one
+    outlines-core does not compile (bad syntax, and what its DFAs lack: lookaround, backreferences,
+    start anchors, Unicode word boundaries). 0 when the regex matches nothing (`_outlines_index` says
+    why). The regex is compiled alone, so one that is valid only inside END's group, ``a)(b``, is
+    refused here."""
+    from outlines_core import Index, Vocabulary
+
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"the constraint's regex has {len(pattern):,} characters, more than the limit "
+                         f"{MAX_PATTERN_CHARS:,}; use a smaller regex, schema or enum")
+    try:
+        index = Index(pattern, Vocabulary(256, {bytes([b]): [b] for b in range(256)}))
+    except ValueError as err:
+        if "incompatible with the regex" in str(err):  # the automaton was built: it matches nothing somewhere
+            return 0
+        raise ValueError(f"regex {_shown(pattern)} is not one outlines-core compiles (bad syntax, lookaround, "
+                         f"backreferences, anchors): {first_line(err)}") from None
+    seen, stack = set(), [index.get_initial_state()]
+    while stack:
+        state = stack.pop()
+        if state not in seen:
+            seen.add(state)
+            stack += {index.get_next_state(state, b) for b in index.get_allowed_tokens(state) if b != 256} - seen
+    return len(seen)
 
 
 def _outlines_index(pattern: str, vocabulary: list[bytes], stop_ids: tuple[int, ...], end_id: int):
@@ -245,13 +330,12 @@ def _outlines_index(pattern: str, vocabulary: list[bytes], stop_ids: tuple[int, 
     for token, text in enumerate(vocabulary):
         if text and token not in stops:
             ids.setdefault(text, []).append(token)
-    _check_syntax(pattern)
     try:
         return Index(f"(?:{pattern}){END_PATTERN}", Vocabulary(stop_ids[0], ids))
     except ValueError as err:
         missing = re.search(r"following characters: (\[.*?\])", str(err))
         if missing is None:
-            raise ValueError(f"regex {_shown(pattern)} is not one outlines-core compiles: {_first_line(err)}") from None
+            raise ValueError(f"regex {_shown(pattern)} is not one outlines-core compiles: {first_line(err)}") from None
         if missing.group(1) == "[]":
             detail = "it matches no text (leave out any end anchor `$`: the whole text is matched anyway)"
         else:
@@ -259,81 +343,65 @@ def _outlines_index(pattern: str, vocabulary: list[bytes], stop_ids: tuple[int, 
         raise ValueError(f"regex {_shown(pattern)} cannot be written with this tokenizer's tokens: {detail}") from None
 
 
-def _check_syntax(pattern: str) -> None:
-    """ValueError (one line) unless outlines-core compiles ``pattern`` alone (bad syntax, and what
-    its DFAs lack: lookaround, backreferences, start anchors, Unicode word boundaries); a regex
-    that is valid only inside END's group, such as ``a)(b``, is refused here."""
-    from outlines_core import Index, Vocabulary
-
-    try:
-        Index(pattern, Vocabulary(0, {}))
-    except ValueError as err:
-        if "incompatible with the regex" not in str(err):  # no tokens: the DFA was built
-            raise ValueError(f"regex {_shown(pattern)} is not one outlines-core compiles (bad syntax, lookaround, "
-                             f"backreferences, anchors): {_first_line(err)}") from None
-
-
-def _token_graph(index, skip: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """outlines-core's states reachable from its initial state, each with its transitions (tokens i32[n],
-    next states i64[n]; tokens in ``skip`` left out), read one state at a time: its `get_transitions`
-    would hold them all as Python ints at once (about 120 bytes each: 1 GB for 9 million)."""
-    graph, stack = {}, [index.get_initial_state()]
+def _token_graph(index, skip: set[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """outlines-core's states reachable from its initial state, ``ids`` (i64[S], ascending), and their
+    transitions as edges ``source -> target`` (i64[E], indices into ``ids``) by ``tokens`` (i32[E];
+    tokens in ``skip`` left out), read one state at a time: its `get_transitions` would hold them all
+    as Python ints at once (about 120 bytes each: 1 GB for 9 million)."""
+    rows, stack = {}, [index.get_initial_state()]
     while stack:
         state = stack.pop()
-        if state in graph:
+        if state in rows:
             continue
         tokens = [t for t in index.get_allowed_tokens(state) if t not in skip]
         targets = [index.get_next_state(state, t) for t in tokens]
-        graph[state] = (np.array(tokens, np.int32), np.array(targets, np.int64))
-        stack += set(targets) - graph.keys()
-    return graph
+        rows[state] = (np.array(tokens, np.int32), np.array(targets, np.int64))
+        stack += [t for t in set(targets) if t not in rows]  # not `set - rows.keys()`: that walks every key
+    ids = np.array(sorted(rows), np.int64)
+    tokens, targets = (np.concatenate([rows[s][k] for s in ids.tolist()]) for k in (0, 1))
+    source = np.repeat(np.arange(ids.size), [rows[s][0].size for s in ids.tolist()])
+    return ids, source, tokens, np.searchsorted(ids, targets)
 
 
-def _live_rows(graph: dict[int, tuple[np.ndarray, np.ndarray]], initial: int, accepting: set[int]
-               ) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
-    """The states of ``graph`` (`_token_graph`) from which an ``accepting`` state is reachable, in
-    breadth-first order from ``initial`` (their new numbers; none when ``initial`` reaches no accepting
-    state), and each one's transitions into such states as (tokens i32[n], next states i32[n] in the
-    new numbers)."""
-    parents: dict[int, set[int]] = {}
-    for state, (_, targets) in graph.items():
-        for target in np.unique(targets).tolist():
-            parents.setdefault(target, set()).add(state)
-    live, stack = set(accepting), list(accepting)
-    while stack:
-        for parent in parents.get(stack.pop(), ()):
-            if parent not in live:
-                live.add(parent)
-                stack.append(parent)
-    if initial not in live:
-        return [], []
-    states, number, rows = [initial], {initial: 0}, []
-    for state in states:  # grows while it is read: a breadth-first walk
-        tokens, targets = graph[state]
-        keep = np.isin(targets, list(live))
-        distinct, inverse = np.unique(targets[keep], return_inverse=True)
-        for target in distinct.tolist():
-            if target not in number:
-                number[target] = len(states)
-                states.append(target)
-        renumbered = np.array([number[t] for t in distinct.tolist()], np.int32)
-        rows.append((tokens[keep], renumbered[inverse.reshape(-1)]))
-    return states, rows
+def _live_numbering(source: np.ndarray, target: np.ndarray, accepting: np.ndarray, initial: int) -> np.ndarray | None:
+    """``i64[S]``: the new number of each state (-1: dropped) given the edges ``source -> target``:
+    the states reachable from ``initial`` through states from which an ``accepting`` one is reachable,
+    numbered 0.. in breadth-first order (a state's new targets in ascending order of outlines-core's
+    ids); None when ``initial`` reaches no accepting state."""
+    live = edge_distances(source, target, accepting) < FAR
+    if not live[initial]:
+        return None
+    keep = live[target]
+    order = np.lexsort((target[keep], source[keep]))
+    source, target = source[keep][order], target[keep][order]
+    first = np.searchsorted(source, np.arange(accepting.size + 1))
+    number = np.full(accepting.size, -1, np.int64)
+    number[initial], frontier, count = 0, np.array([initial]), 1
+    while frontier.size:  # one level at a time, in the order of the new numbers
+        reached = target[ranges(first[frontier], first[frontier + 1])]
+        reached = reached[number[reached] < 0]
+        distinct, at = np.unique(reached, return_index=True)
+        frontier = distinct[np.argsort(at, kind="stable")]  # first reached, first numbered
+        number[frontier] = count + np.arange(frontier.size)
+        count += frontier.size
+    return number
 
 
-def _token_classes(rows: list[tuple[np.ndarray, np.ndarray]], vocab_size: int, stop_ids: tuple[int, ...]) -> np.ndarray:
-    """``i32[V]``: the class of each token (module docstring), by partition refinement: after each
-    state's row, two tokens share a label iff they agree (next state, or not allowed) on every row
-    so far; tokens no row names keep label 0 (NEVER)."""
-    label = np.zeros(vocab_size, np.int64)
-    count = 1  # labels in use are < count
-    for tokens, targets in rows:
-        distinct, inverse = np.unique(label[tokens] * len(rows) + targets, return_inverse=True)
-        label[tokens] = count + inverse.reshape(-1)
-        count += distinct.size
+def _token_classes(source: np.ndarray, tokens: np.ndarray, target: np.ndarray, vocab_size: int,
+                   stop_ids: tuple[int, ...]) -> np.ndarray:
+    """``i32[V]``: the class of each token (module docstring) given the edges ``source -> target`` by
+    ``tokens``: two tokens share a class iff they have the same edges (a token has at most one per
+    state, so its edges sorted by source are its column of the dense table); classes numbered in the
+    order of their first token; tokens with no edge are NEVER, stop ids STOP."""
+    order = np.lexsort((source, tokens))
+    column = (source[order] * (int(target.max(initial=0)) + 1) + target[order]).astype(np.int64)
+    tokens = tokens[order]
+    starts = np.flatnonzero(np.diff(tokens, prepend=-1))
+    ends = np.append(starts[1:], tokens.size)
     token_class = np.full(vocab_size, NEVER, np.int32)
-    text = label > 0
-    token_class[text] = FIRST_TEXT_CLASS + np.unique(label[text], return_inverse=True)[1].reshape(-1)
+    labels: dict[bytes, int] = {}
+    for token, start, end in zip(tokens[starts].tolist(), starts.tolist(), ends.tolist()):
+        token_class[token] = FIRST_TEXT_CLASS + labels.setdefault(column[start:end].tobytes(), len(labels))
     token_class[list(stop_ids)] = STOP
     return token_class
 

@@ -39,6 +39,7 @@ from specdec_jax import tree
 NEVER, STOP, FIRST_TEXT_CLASS = 0, 1, 2  # a table's token classes (docs/constraints.md)
 FREE = 0  # the free grammar's state: every token allowed, always accepting
 DEAD = -1  # the state after a token its state does not allow
+FAR = 2**30  # `tokens_to_accept` of a state from which no match is reachable
 
 
 class DeviceGrammar(NamedTuple):
@@ -105,16 +106,32 @@ def stack_grammars(tables: Sequence, vocab_size: int) -> DeviceGrammar:
 
 def tokens_to_accept(next_state: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     """``i32[S]``: the fewest tokens from each state of one table (``next_state i32[S, C]``, -1: not
-    allowed; ``accepting bool[S]``) to an accepting state; a state with none reachable gets 2**30."""
-    far = 2**30
-    distance = np.where(accepting, 0, far).astype(np.int64)
-    allowed_next = next_state >= 0
-    while True:  # Bellman-Ford on unit edges: as many sweeps as the longest shortest path
-        via = np.where(allowed_next, distance[np.maximum(next_state, 0)] + 1, far).min(axis=1, initial=far)
-        updated = np.minimum(distance, via)
-        if (updated == distance).all():
-            return np.minimum(distance, far).astype(np.int32)
-        distance = updated
+    allowed; ``accepting bool[S]``) to an accepting state; a state with none reachable gets `FAR`."""
+    source, column = np.nonzero(next_state >= 0)
+    return edge_distances(source, next_state[source, column], accepting)
+
+
+def edge_distances(source: np.ndarray, target: np.ndarray, goal: np.ndarray) -> np.ndarray:
+    """``i32[S]``: the fewest edges (``source[e] -> target[e]``, state indices) from each state to one
+    where ``goal`` (bool[S]) holds; `FAR` where none is reachable. A breadth-first walk back from the
+    goal states, one level at a time over the edges into the level (edges sorted by their target):
+    time linear in the edges, whatever the width of a dense table they come from."""
+    order = np.argsort(target, kind="stable")
+    source, first = source[order], np.searchsorted(target[order], np.arange(goal.size + 1))
+    distance = np.where(goal, 0, FAR).astype(np.int32)
+    level, frontier = 0, np.flatnonzero(goal)
+    while frontier.size:
+        level += 1
+        parents = np.unique(source[ranges(first[frontier], first[frontier + 1])])
+        frontier = parents[distance[parents] == FAR]
+        distance[frontier] = level
+    return distance
+
+
+def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """``i64[sum(ends - starts)]``: the indices ``starts[i] .. ends[i] - 1`` of every range, in order."""
+    counts = ends - starts
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
 
 
 def allowed(grammar: DeviceGrammar, states: jax.Array, remaining: jax.Array | None = None) -> jax.Array:

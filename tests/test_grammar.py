@@ -2,7 +2,8 @@
 different constraints or none, against the `regex` module's partial matching on the byte tokenizer.
 
 A candidate path's text is a prefix of a match iff its state is not DEAD, and a token is allowed in
-a state iff the text extended by it is still such a prefix; the free grammar allows everything."""
+a state iff the text extended by it is still such a prefix; the free grammar allows everything.
+The distances to a match (`tokens_to_accept`) are those of Bellman-Ford on the dense table."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import regex
 
 from specdec_jax import tree
 from specdec_jax.constraints import build_tables, token_bytes
-from specdec_jax.grammar import DEAD, FREE, advance, allowed, path_states, stack_grammars
+from specdec_jax.grammar import DEAD, FAR, FREE, advance, allowed, path_states, stack_grammars, tokens_to_accept
 from specdec_jax.models.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()
@@ -115,3 +116,26 @@ def test_tree_path_states_follow_each_nodes_own_path(grammar):
 def test_a_grammar_wider_than_the_logits_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         stack_grammars([build_tables("a", token_bytes(BYTES), BYTES.stop_ids)], 100)
+
+
+def bellman_ford(next_state: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """The reference: relax every state over its whole row of the dense table until nothing changes."""
+    distance = np.where(accepting, 0, FAR)
+    while True:
+        via = np.where(next_state >= 0, distance[np.maximum(next_state, 0)] + 1, FAR).min(axis=1, initial=FAR)
+        updated = np.minimum(distance, via)
+        if (updated == distance).all():
+            return distance
+        distance = updated
+
+
+def test_distances_to_a_match_are_bellman_fords():
+    """Random tables (cycles, self-loops, states that reach no accepting one, none accepting at all)."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        states, classes = rng.integers(1, 25), rng.integers(1, 6)
+        targets = rng.integers(0, states, (states, classes))
+        next_state = np.where(rng.random((states, classes)) < rng.random(), targets, -1)
+        accepting = rng.random(states) < rng.random() * 0.5
+        got = tokens_to_accept(next_state.astype(np.int32), accepting)
+        assert got.dtype == np.int32 and np.array_equal(got, bellman_ford(next_state, accepting))
