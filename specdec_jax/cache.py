@@ -63,10 +63,13 @@ def entry(path: pathlib.Path, what: str, read: Callable[[pathlib.Path], T | None
     ``build(tmp)`` writes the whole entry at ``tmp`` (a path beside ``path`` that does not exist yet)
     and returns its value; ``tmp`` is then published by renaming it to ``path``. ``what`` names the entry in messages
     ("the converted SmolLM2-135M-Instruct.Q4_1.gguf")."""
-    if path.exists() and (value := read(path)) is not None:
+    seen = _identity(path)
+    if seen is not None and (value := read(path)) is not None:
         return value
     with locked(path, what):
-        if path.exists() and (value := read(path)) is not None:  # built while this process waited
+        now = _identity(path)
+        # built (or replaced) while this process waited; an entry already refused is not read twice
+        if now is not None and now != seen and (value := read(path)) is not None:
             return value
         heal(path, what)
         tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
@@ -126,6 +129,15 @@ def remove(path: pathlib.Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _identity(path: pathlib.Path) -> tuple[int, int] | None:
+    """(inode, modification time) of ``path``, None if absent: a published entry is a new inode."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _read_holder(holder: pathlib.Path) -> str:

@@ -221,15 +221,19 @@ def test_training_time_test_steps_are_what_drafting_computes():
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
     inputs = jnp.asarray(rng.standard_normal((1, width, cfg.hidden_size)), jnp.float32)
     outputs = unrolled_outputs(head, target, params, tokens, inputs, steps)
+    # one compiled pass per input width (op-by-op dispatch would compile every operation per width)
+    drafting = jax.jit(functools.partial(head_pass, head, target=target), static_argnames="target")
     for step in range(1, steps):
         for j in range(step, width):
             start = j - step  # the real context: positions 0 .. start
-            h, cache = head_pass(head, params, target, params["target"], tokens[:, : start + 1], inputs[:, : start + 1],
-                                 head.layer.init_cache(1, width), jnp.arange(start + 1)[None])
+            h, cache = drafting(params, target_params=params["target"], tokens=tokens[:, : start + 1],
+                                inputs=inputs[:, : start + 1], cache=head.layer.init_cache(1, width),
+                                positions=jnp.arange(start + 1)[None])
             fed = h[:, -1]
             for position in range(start + 1, j + 1):
-                h, cache = head_pass(head, params, target, params["target"], tokens[:, position : position + 1],
-                                     fed[:, None], cache.with_lengths(jnp.asarray([position])), jnp.asarray([[position]]))
+                h, cache = drafting(params, target_params=params["target"], tokens=tokens[:, position : position + 1],
+                                    inputs=fed[:, None], cache=cache.with_lengths(jnp.asarray([position])),
+                                    positions=jnp.asarray([[position]]))
                 fed = h[:, 0]
             np.testing.assert_allclose(outputs[step][0, j], fed[0], rtol=2e-4, atol=2e-4, err_msg=f"step {step} j {j}")
 

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -366,6 +367,11 @@ def test_the_index_is_cached_and_rebuilt_when_its_source_changes(tmp_path, cache
     assert changed.tokens.tolist() == python_index(["one", "two", "three"])[0]
 
 
+def entries(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The cache entries in ``folder``: not its lock, holder or partial files (names starting with a dot)."""
+    return [p for p in folder.iterdir() if not p.name.startswith(".")]
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.0])
 def test_a_corrupt_cached_index_is_rebuilt_with_one_line(tmp_path, cache, capsys, keep):
     """A truncated tokens.npy (half of it, or all of it) is noticed, reported in one line, and
@@ -373,7 +379,7 @@ def test_a_corrupt_cached_index_is_rebuilt_with_one_line(tmp_path, cache, capsys
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text('{"text": "the cat sat on the mat"}\n{"text": "the dog sat"}\n')
     first = load_datastore(jsonl, H.target().tokenizer, progress=False)
-    (folder,) = (cache / "datastores").iterdir()
+    (folder,) = entries(cache / "datastores")
     stored = (folder / "tokens.npy").read_bytes()
     (folder / "tokens.npy").write_bytes(stored[: int(len(stored) * keep)])
     capsys.readouterr()
@@ -436,7 +442,7 @@ def test_bad_source_is_a_one_line_value_error(tmp_path, cache, kind):
     with pytest.raises(ValueError) as err:
         load_datastore(source, H.target().tokenizer, progress=False)
     assert words in str(err.value) and "\n" not in str(err.value)
-    assert not (cache / "datastores").exists() or not any((cache / "datastores").iterdir())
+    assert not (cache / "datastores").exists() or not entries(cache / "datastores")
 
 
 def test_no_source_or_a_bad_limit_is_refused(tmp_path, cache):
