@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = -1  # parent of a child of t0
+# The most nodes a tree may have: a round verifies all of them in one pass of nodes + 1 tokens and accepts at
+# most depth + 1 of them. A wider tree is refused when its shape is made, before anything is compiled or calibrated.
+MAX_TREE_NODES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class TreeShape:
             raise ValueError(f"tree nodes, depth and topk must be >= 1, got {self.nodes}, {self.depth}, {self.topk}")
         if self.depth > self.nodes:
             raise ValueError(f"a tree of {self.nodes} nodes cannot be {self.depth} deep (depth <= nodes)")
+        if self.nodes > MAX_TREE_NODES:
+            raise ValueError(f"a tree of {self.nodes} nodes is too wide: at most {MAX_TREE_NODES} (each round verifies "
+                             f"nodes + 1 tokens in one pass); use fewer nodes (by default depth x topk)")
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
@@ -60,15 +66,26 @@ class TreeShape:
 
 def default_choices(nodes: int, depth: int, topk: int) -> tuple[tuple[int, ...], ...]:
     """A static tree without measured acceptances: the ``nodes`` rank paths (ranks < ``topk``, at
-    most ``depth`` long) of smallest rank sum, shorter first; every prefix of a kept path is kept."""
-    import itertools
+    most ``depth`` long) of smallest rank sum, shorter first; every prefix of a kept path is kept.
 
-    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(topk), repeat=d)]
-    paths.sort(key=lambda p: (sum(p), len(p), p))
-    if nodes > len(paths):
-        raise ValueError(f"a tree of depth {depth} with top-{topk} children has at most {len(paths)} nodes, "
+    Best first, in O(nodes log nodes): a path's successors in that order are its next sibling
+    (its last rank + 1: sum + 1) and its first child (rank 0 appended: one longer), never before it,
+    and every path is the successor of exactly one other, so a heap from ``(0,)`` pops them in order."""
+    import heapq
+
+    available = sum(topk**d for d in range(1, depth + 1))
+    if nodes > available:
+        raise ValueError(f"a tree of depth {depth} with top-{topk} children has at most {available} nodes, "
                          f"not {nodes}")
-    return tuple(paths[:nodes])
+    heap, paths = [(0, 1, (0,))], []
+    while len(paths) < nodes:
+        total, length, path = heapq.heappop(heap)
+        paths.append(path)
+        if path[-1] + 1 < topk:
+            heapq.heappush(heap, (total + 1, length, path[:-1] + (path[-1] + 1,)))
+        if length < depth:
+            heapq.heappush(heap, (total, length + 1, path + (0,)))
+    return tuple(paths)
 
 
 def load_choices(path: str | pathlib.Path) -> TreeShape:

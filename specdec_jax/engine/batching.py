@@ -6,6 +6,13 @@ axis) and the prompts to a power-of-two bucket, so that a new prompt length or
 batch size does not recompile; then `prefill` writes the prompts into the
 target's (and the drafter's) caches in one pass and builds the `DecodeState`
 that `run_loop` starts from.
+
+Memory is checked before anything runs, against the device memory free now
+(`free_device_bytes`), in three steps, each a one-line ValueError with the sizes:
+`memory_floor` (arithmetic, before compiling: the KV cache and the widest verify
+pass's largest array), `compiled_prefill` (the prefill program's own accounting)
+and, for `generate`, `compiled_loop` (the decoding loop's: its state and one
+round's working memory).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from jax.sharding import Mesh
 
 from specdec_jax import sharding
 from specdec_jax.drafters.base import Drafter, PrefillContext, Proposal
-from specdec_jax.engine.round import draft_step
+from specdec_jax.engine.round import draft_step, run_loop
 from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy
 from specdec_jax.engine.state import DecodeState, EngineParams, EngineSpec
 from specdec_jax.grammar import DeviceGrammar, finished, stack_grammars
@@ -126,10 +133,13 @@ def prepare(
     mesh: Mesh | None = None,
     grammars=None,
     policy_for: PolicyFor | None = None,
+    compile_loop: bool = False,
 ) -> Prepared:
     """Validates the inputs, buckets shapes, places them on the mesh and prefills; arguments as in
     `generate`. Under gamma "auto" without a ``policy``, ``policy_for(batch, capacity)`` builds one for
-    the bucketed shapes (`engine.prepare` passes the calibrated one, `calibration.shape_policy`)."""
+    the bucketed shapes (`engine.prepare` passes the calibrated one, `calibration.shape_policy`).
+    ``compile_loop``: also compile `run_loop` for this batch (with a traced round count, as `generate`
+    calls it) and check its memory before prefill runs (`compiled_loop`)."""
     model, target_params = resolve_target(target)
     gamma = _tree_gamma(drafter, gamma, policy)
     auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
@@ -159,6 +169,8 @@ def prepare(
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p
         lens[b] = len(p)
+    free = sharding.least_over_processes(free_device_bytes())  # one decision, or a process waits alone in a collective
+    check_memory_floor(model, lens, capacity, gamma, 1 if mesh is None else mesh.size, free)
     ids = np.arange(batch, dtype=np.int32)
     if row_ids is not None:
         if len(row_ids) != num_rows:
@@ -178,17 +190,19 @@ def prepare(
     if mesh is not None:
         params = sharding.shard_params(params, mesh)
         inputs = sharding.shard_state(inputs, mesh)
-    run_prefill = compiled_prefill(spec, params, inputs, lens)  # refuses what does not fit before any calibration
+    run_prefill = compiled_prefill(spec, params, inputs, lens, free)  # refuses what does not fit before calibrating
     if auto and policy is None:
         policy = policy_for(batch, capacity)
     if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
         raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
                          "drafter one over chain lengths")
+    loop_spec = dataclasses.replace(spec, policy=policy) if policy is not None and gamma > 0 else spec
+    if compile_loop:
+        compiled_loop(loop_spec, params, loop_state_shapes(spec, loop_spec, params, inputs), lens, free)
     state = run_prefill(params, *inputs)
-    if policy is not None and gamma > 0:
-        spec = dataclasses.replace(spec, policy=policy)
-        state = start_policy(spec, state)
-    return Prepared(spec, params, state, lens, num_rows)
+    if loop_spec is not spec:
+        state = start_policy(loop_spec, state)
+    return Prepared(loop_spec, params, state, lens, num_rows)
 
 
 def row_grammars(grammars, num_rows: int, batch: int, vocab_size: int, max_new_tokens: int
@@ -229,22 +243,99 @@ def _stacked(tables: tuple, vocab_size: int) -> DeviceGrammar:
     return stack_grammars(tables, vocab_size)
 
 
-def compiled_prefill(spec: EngineSpec, params: EngineParams, inputs, lens: np.ndarray) -> Callable:
+def check_memory_floor(model: TargetModel, lens: np.ndarray, capacity: int, gamma: int, devices: int,
+                       free: int | None) -> None:
+    """ValueError with the sizes when `memory_floor` exceeds ``free`` bytes (None: unknown, no check): a
+    shape that cannot fit is refused in milliseconds, before any program is compiled."""
+    state, work = memory_floor(model, lens.shape[0], capacity, gamma, devices)
+    if free is not None and state + work > free:
+        raise ValueError(f"the decoding state needs {_size(state)} and the widest verify pass at least {_size(work)} "
+                         f"more ({_shapes(lens, capacity, gamma)}) but the device has {_size(free)} free: {MEMORY_FIX}")
+
+
+def memory_floor(model: TargetModel, batch: int, capacity: int, gamma: int, devices: int = 1) -> tuple[int, int]:
+    """``(state, work)``: bytes per device that decoding must hold at least, from the shapes alone: the
+    target's KV cache (its ``init_cache``, traced abstractly), and the larger of two arrays that the
+    widest verify pass (W = gamma + 1 tokens) materializes whatever XLA fuses: one attention head's
+    float32 scores f32[B,W,T+W] (over the cache and the pass itself) and its float32 logits f32[B,W,V].
+    Over ``devices`` devices, the even share (no device holds less than that of the largest)."""
+    cache = jax.eval_shape(lambda: model.init_cache(batch, capacity))
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    width = gamma + 1
+    work = 4 * batch * width * max(capacity + width, model.vocab_size)
+    return -(-state // devices), -(-work // devices)
+
+
+def compiled_prefill(spec: EngineSpec, params: EngineParams, inputs, lens: np.ndarray, free: int | None = None
+                     ) -> Callable:
     """`prefill` compiled for ``inputs`` (the call runs this executable: nothing is compiled twice), after a
     ValueError with the numbers when its memory (the loop state it returns, KV caches, token buffer, the
-    drafter's state, and its working memory: a long prompt's attention scores) exceeds the device memory
-    free now (per device of a mesh, from the compiled program's own accounting)."""
+    drafter's state, and its working memory: a long prompt's attention scores) exceeds ``free`` bytes
+    (per device of a mesh, from the compiled program's own accounting; None: unknown, no check)."""
     compiled = prefill.lower(spec, params, *inputs).compile()
     stats = compiled.memory_analysis()
-    free = sharding.least_over_processes(free_device_bytes())  # one decision, or a process waits alone in a collective
     if stats is not None and free is not None:
         need = stats.output_size_in_bytes + stats.temp_size_in_bytes
         if need > free:
-            raise ValueError(f"prefill and the decoding state need {need / 2**30:.1f} GiB (batch {lens.shape[0]}, "
-                             f"{spec.capacity} KV slots per row: the longest prompt, row {int(np.argmax(lens))}, has "
-                             f"{int(lens.max())} tokens; gamma {spec.gamma}) but the device has {free / 2**30:.1f} GiB "
-                             "free: shorten the prompt, or lower max_new_tokens, gamma or the batch size")
+            raise ValueError(f"prefill and the decoding state need {_size(need)} "
+                             f"({_shapes(lens, spec.capacity, spec.gamma)}) but the device has {_size(free)} free: "
+                             f"{MEMORY_FIX}")
     return compiled
+
+
+def loop_state_shapes(spec: EngineSpec, loop_spec: EngineSpec, params: EngineParams, inputs):
+    """The `DecodeState` that `run_loop` of ``loop_spec`` will be given (`prefill` of ``spec``, then
+    `start_policy` under a shape policy), as shapes and dtypes, without running anything; under a mesh,
+    with the shardings `sharding.constrain_state` gives it (a call then finds the same program)."""
+    shapes = jax.eval_shape(functools.partial(prefill, spec), params, *inputs)
+    if loop_spec is not spec:
+        shapes = jax.eval_shape(functools.partial(start_policy, loop_spec), shapes)
+    if spec.mesh is None:
+        return shapes
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+                        shapes, sharding.state_shardings(shapes, spec.mesh))
+
+
+def compiled_loop(spec: EngineSpec, params: EngineParams, state, lens: np.ndarray, free: int | None) -> Callable:
+    """`run_loop` compiled for ``state`` (`loop_state_shapes`) and a traced round count, as `generate` calls
+    it (the call finds this executable in jax's cache: nothing is compiled twice), after a ValueError with
+    the numbers when the loop needs more than ``free`` bytes: the state it is given (donated: the loop
+    writes its output in place of it), one round's working memory (temp: the verify pass's attention
+    scores and logits at its widest, a tree's masks, the drafter's own) and any output not written in
+    place (per device of a mesh, from the compiled program's own accounting; None: unknown, no check)."""
+    compiled = run_loop.lower(spec, params, state, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    stats = compiled.memory_analysis()
+    if stats is not None and free is not None:
+        held = _device_bytes(state)
+        work = stats.temp_size_in_bytes + max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes)
+        if held + work > free:
+            raise ValueError(f"the decoding loop needs {_size(held + work)} (the decoding state {_size(held)} and one "
+                             f"round's working memory {_size(work)}: {_shapes(lens, spec.capacity, spec.gamma)}) but "
+                             f"the device has {_size(free)} free: {MEMORY_FIX}")
+    return compiled
+
+
+MEMORY_FIX = "shorten the prompt, or lower max_new_tokens, gamma (a tree's nodes) or the batch size"
+
+
+def _shapes(lens: np.ndarray, capacity: int, gamma: int) -> str:
+    """The shapes a memory error names: batch, KV slots, the longest prompt, gamma and the verify width."""
+    return (f"batch {lens.shape[0]}, {capacity} KV slots per row: the longest prompt, row {int(np.argmax(lens))}, has "
+            f"{int(lens.max())} tokens; gamma {gamma}, verify passes of up to {gamma + 1} tokens")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as GiB (MiB below 1 GiB), one decimal."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of the arrays (or shapes) of ``tree`` on one device: a sharded array's shard."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.shape if getattr(x, "sharding", None) is None else x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
+    return total
 
 
 def free_device_bytes(device=None) -> int | None:

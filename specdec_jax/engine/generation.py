@@ -91,7 +91,8 @@ def generate(
       record_top_k: if > 0, also return the target's top-k tokens and log-probs
         at every emitted token (`GenerationResult.target_top`; distillation data).
       python_loop: run the same `draft_step` / `verify_step` from a Python loop
-        instead of `lax.while_loop` (for debugging; identical results).
+        instead of `lax.while_loop` (for debugging; identical results; `run_loop` is not
+        compiled, so only the shapes' floor and prefill's memory are checked).
       mesh: a `(data, model)` mesh (`specdec_jax.sharding.make_mesh`): weights, KV
         caches and loop state are sharded over it and the same loop runs
         partitioned. The batch is padded to a multiple of the `data` axis; the
@@ -108,10 +109,10 @@ def generate(
       GenerationResult: emitted tokens and stop reason per row, batch metrics.
     """
     start = time.perf_counter()
-    run = prepare(
+    run = prepare(  # the loop is compiled, and its memory checked, before prefill runs
         target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
         eos_id=eos_id, stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
-        mesh=mesh, grammars=grammars,
+        mesh=mesh, grammars=grammars, compile_loop=not python_loop,
     )
     state = jax.block_until_ready(run.state)
     loop_start = time.perf_counter()
@@ -149,10 +150,11 @@ def run_chunks(run: Prepared, state, max_new_tokens: int):
     """`run_loop` to the end in calls of about CHUNK_S seconds each (the first of FIRST_CHUNK_ROUNDS
     rounds, each next one sized from the last one's rate, at most 8 times longer), so that a
     KeyboardInterrupt reaches the caller within about a second while the rounds of a call stay on
-    device. The round count of each call is a traced argument (one program for every size); a
-    multi-host run takes process 0's sizes. Between calls only ``done`` and ``step`` reach the host."""
-    if CHUNK_S is None:
-        return run_loop(run.spec, run.params, state)
+    device. The round count of each call is a traced argument (one program for every size, the one
+    `prepare` compiled and checked); a multi-host run takes process 0's sizes. Between calls only
+    ``done`` and ``step`` reach the host."""
+    if CHUNK_S is None:  # one call of the same program, with rounds enough for every row's budget
+        return run_loop(run.spec, run.params, state, jnp.int32(max_new_tokens))
     rounds = FIRST_CHUNK_ROUNDS
     while True:
         start = time.perf_counter()
