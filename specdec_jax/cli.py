@@ -236,7 +236,6 @@ def _theory(args) -> int:
     closed = theory.expected_tokens_per_round(args.alpha, args.gamma)
     print(f"alpha {args.alpha}, gamma {args.gamma}: E[tokens per round] = {closed:.4f} (closed form)")
     if args.simulate:
-        import jax
         import numpy as np
 
         n_emit = theory.simulate_tokens_per_round(seed_key(args.seed), args.alpha, gamma=args.gamma, rows=args.simulate)
@@ -323,8 +322,12 @@ def check_outputs(args) -> None:
 
 
 def console() -> int:
-    """The `specdec-jax` script."""
-    return main(handle_signals=True)
+    """The `specdec-jax` script. A command stopped by a signal ends through `interrupts.exit_now`:
+    Python's finalization could free jax's client under a compile still running (a segfault)."""
+    code = main(handle_signals=True)
+    if interrupts.was_stopped():
+        interrupts.exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -172,13 +172,41 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(SamplingParams)})
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML file gives one key twice."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, except that a key given twice in one mapping is an error: plain YAML keeps
+    the last value silently. Keys brought in by a merge (``<<: *base``) may be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        where = f"line {line}" if lines[key] == line else f"lines {lines[key]} and {line}"
+                        raise DuplicateKeyError(f"key {key!r} is given twice ({where}): keep one")
+                    lines[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | pathlib.Path, kind: str = "config") -> dict[str, Any]:
-    """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a ValueError naming the file."""
+    """The mapping in a YAML file (`UniqueKeyLoader`: every YAML file the package reads goes through
+    here); a missing file, bad YAML, a key given twice or a non-mapping is a ValueError naming the file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"{kind} file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+    except DuplicateKeyError as err:
+        raise ValueError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, dict):

@@ -16,15 +16,17 @@ Sources (``--datastore``, repeatable; docs/retrieval.md):
   ``messages`` (``content`` of each), ``conversations`` (``value`` of each) or
   ``turns`` (strings); every text is a document.
 - a folder: every file under it (hidden ones and ``__pycache__`` skipped) that
-  is UTF-8 text of at most MAX_FILE_BYTES is a document, e.g. a library's sources.
+  is UTF-8 text without NUL bytes, of at most MAX_FILE_BYTES, is a document, e.g. a
+  library's sources.
 - ``outputs``: the target's own outputs (`OutputsStore`): empty at first, each
   finished generate call's outputs added after it, the oldest dropped beyond a
   bounded capacity; kept in memory for the life of the drafter, never cached.
 
 The index is cached in ``$SPECDEC_CACHE/datastores/<key>/`` (tokens.npy,
 suffixes.npy, meta.json), keyed by the tokenizer's identity, the sources
-(a file's or folder's sizes and modification times) and the token limit; an
-index that cannot be read, or that another key wrote, is built again.
+(a file's or folder's sizes and modification times) and the token limit; built
+by one process while the others wait (`specdec_jax.cache`); an index that cannot
+be read, or that another key wrote, is built again.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import time
 
 import numpy as np
 
-from specdec_jax.files import write_text_atomic
-from specdec_jax.models.fetch import WheelFile, cache_dir, fetched_file
+from specdec_jax import cache
+from specdec_jax.cache import cache_dir
+from specdec_jax.models.fetch import WheelFile, fetched_file
 
 SEP = np.iinfo(np.int32).max  # between documents: never a token
 MAX_TOKENS = 2**30  # positions are int32 on device
@@ -168,13 +171,23 @@ def folder_files(folder: pathlib.Path) -> list[pathlib.Path]:
 
 
 def folder_texts(folder: pathlib.Path) -> list[str]:
-    texts = []
-    for path in folder_files(folder):
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue  # binary or unreadable: not text
-    return texts
+    """The documents of a folder source: its files' texts (`file_text`), the others skipped."""
+    return [text for text in map(file_text, folder_files(folder)) if text is not None]
+
+
+def file_text(path: pathlib.Path) -> str | None:
+    """A file's text, or None when it is not text: unreadable, not UTF-8, or binary. Rule: a NUL byte
+    makes a file binary (valid UTF-8 as it may be: a file of zeros is), as for git and grep."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def source_texts(source: str, progress: bool = True) -> list[str]:
@@ -242,9 +255,14 @@ def load_datastore(sources, tokenizer, limit: int = MAX_TOKENS, progress: bool =
         raise ValueError(f"the datastore limit must be in [1, 2**30] tokens, got {limit}")
     key = datastore_key(tokenizer, sources, limit)
     folder = cache_dir() / "datastores" / hashlib.sha256(key.encode()).hexdigest()[:20]
-    cached = _read_index(folder, key)
-    if cached is not None:
-        return cached
+    return cache.entry(folder, f"the datastore index of {'+'.join(sources)}", lambda path: _read_index(path, key),
+                       lambda tmp: _build_index(tmp, key, sources, tokenizer, limit, progress))
+
+
+def _build_index(tmp: pathlib.Path, key: str, sources: list[str], tokenizer, limit: int,
+                 progress: bool) -> Datastore:
+    """Tokenizes ``sources``, sorts the suffixes and writes the index folder ``tmp`` (`cache.entry`
+    publishes it)."""
     start = time.perf_counter()
     texts = [t for s in sources for t in source_texts(s, progress)]
     tokens, documents = tokenize(tokenizer, texts, limit, progress)
@@ -255,22 +273,18 @@ def load_datastore(sources, tokenizer, limit: int = MAX_TOKENS, progress: bool =
     suffixes = np.asarray(divsufsort(tokens), np.int32)
     meta = {"key": key, "sources": sources, "tokenizer": tokenizer.identity, "documents": documents,
             "tokens": int(tokens.size), "build_s": round(time.perf_counter() - start, 1)}
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, array in (("tokens", tokens), ("suffixes", suffixes)):
-        partial = folder / f"{name}.partial.npy"
-        np.save(partial, array)
-        partial.replace(folder / f"{name}.npy")
-    write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))  # last: the index is whole
+    tmp.mkdir()
+    np.save(tmp / "tokens.npy", tokens)
+    np.save(tmp / "suffixes.npy", suffixes)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     store = Datastore(tokens, suffixes, meta)
     if progress:
-        print(f"built {store.describe()} in {meta['build_s']} s (cached in {folder})", flush=True)
+        print(f"built {store.describe()} in {meta['build_s']} s (cached in {tmp.parent})", flush=True)
     return store
 
 
 def _read_index(folder: pathlib.Path, key: str) -> Datastore | None:
     """The cached index, or None (with one line when one was there but unreadable or not this key's)."""
-    if not (folder / "meta.json").exists():
-        return None
     try:
         meta = json.loads((folder / "meta.json").read_text())
         tokens, suffixes = np.load(folder / "tokens.npy"), np.load(folder / "suffixes.npy")

@@ -6,7 +6,8 @@
 - `replacing`, `write_text_atomic`, `write_json`: a temporary file in the same folder, then a rename,
   so a kill leaves the old file or the new one, never half of one.
 - `exclusive`: a lock on a sweep's or a training's `--out`; a second writer is refused
-  with a line naming the folder.
+  with a line naming the folder and the holder; the lock file is removed when its holder ends
+  (a kill leaves it: harmless, the kernel's lock ended with the process).
 - `json_safe`: NaN (a rate over nothing) becomes null: JSON has no NaN.
 """
 
@@ -105,21 +106,49 @@ def write_json(path: str | pathlib.Path, payload: Any, indent: int | None = 1) -
 @contextlib.contextmanager
 def exclusive(folder: str | pathlib.Path, command: str) -> Iterator[pathlib.Path]:
     """Holds ``folder``'s lock (``folder/.lock``, created with the folder) while the block runs; another
-    process holding it is a ValueError. The lock ends with the process, however it ends."""
+    process holding it is a ValueError naming the holder. The kernel's lock ends with the process,
+    however it ends; the file is removed when the block ends (`_unlock`)."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_NAME, "a+") as handle:
+    handle = _lock(folder, folder / LOCK_NAME)
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{command} (pid {os.getpid()})")
+        handle.flush()
+        yield folder
+    finally:
+        _unlock(handle, folder / LOCK_NAME)
+
+
+def _lock(folder: pathlib.Path, path: pathlib.Path):
+    """An open handle of ``path`` holding its flock. Rule: the lock counts only while ``path`` still
+    names the locked file; a holder that ended unlinked it (`_unlock`) after this process opened it,
+    so a lock won on an unlinked file is dropped and the path opened again."""
+    while True:
+        handle = open(path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
+            handle.close()
             raise ValueError(f"{folder} is in use by {holder}: wait for it to end, or choose another --out") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{command} (pid {os.getpid()})")
-        handle.flush()
         try:
-            yield folder
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(handle.fileno()), current):
+            return handle
+        handle.close()
+
+
+def _unlock(handle, path: pathlib.Path) -> None:
+    """Removes ``path`` while still holding its lock, then releases it (the order `_lock` relies on: a
+    process that opened the old file and wins its lock sees that the path no longer names it)."""
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()

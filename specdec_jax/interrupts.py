@@ -19,6 +19,15 @@ renamed, so nothing half-written is left under a name a later run trusts.
 Inside `deferred()` a first signal is recorded but its KeyboardInterrupt waits
 for the end of the block: orbax logs an interrupt raised inside its checkpoint
 finalize as a failure of its own, traceback and all.
+
+A stopped command ends through `exit_now`, never through Python's
+finalization. Rule: once a signal stopped the run, the interpreter must not
+tear jax down. jaxlib runs Python's signal handlers while the main thread waits
+for an XLA compile, so the KeyboardInterrupt can unwind the main thread while
+the compile goes on in XLA's thread pool; finalization's garbage collection
+then frees the jax client whose devices that compile still uses, and the
+process segfaults (exit 139) after printing the right line. The same holds for
+a computation dispatched and still running.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 GRACE_S = 5.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -66,6 +76,20 @@ def stopped(command: str) -> int:
         _finished.set()
         print(message(command), file=sys.stderr, flush=True)
     return exit_code()
+
+
+def was_stopped() -> bool:
+    """Whether a signal has come (the command is stopping, or stopped)."""
+    return bool(_received)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the process with ``code`` at once: stdout and stderr flushed, no finalization, no atexit
+    (module docstring). Nothing is lost: every file a run writes is written whole and renamed."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
+            stream.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
@@ -105,6 +129,6 @@ def install(command: str) -> None:
         if not _finished.is_set():
             _finished.set()
             print(message(command), file=sys.stderr, flush=True)
-        os._exit(exit_code())
+        os._exit(exit_code())  # not exit_now: the main thread may hold stdout's buffer, stuck in a write
 
     threading.Thread(target=watch, name="specdec-stop", daemon=True).start()

@@ -41,13 +41,19 @@ from specdec_jax.files import exclusive, json_safe, write_text_atomic
 SCALAR_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s", "wall_s", "emitted_tokens", "rounds",
                   "draft_tokens", "accepted_tokens")
 PLOTTED_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s")
+SWEEP_KEYS = ("base", "grid")  # the keys of a sweep file: a config, and key: list of values
 
 
 def load_sweep(path: str | pathlib.Path) -> tuple[list[str], list[RunConfig]]:
     """(swept keys, one RunConfig per grid point) of a sweep file; every error names the file and key."""
     data = read_yaml(path, "sweep")
-    if set(data) - {"base", "grid"} or "grid" not in data:
-        raise ValueError(f"{path}: a sweep file has the keys 'base' (a config) and 'grid' (key: list of values)")
+    unknown = [key for key in data if key not in SWEEP_KEYS]
+    if unknown:
+        raise ValueError(f"{path}: unknown key{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} (known: "
+                         f"{', '.join(SWEEP_KEYS)})")
+    if "grid" not in data:
+        raise ValueError(f"{path}: no 'grid' (key: list of values); a sweep file has the keys 'base' (a config) "
+                         "and 'grid'")
     base = check_keys(data.get("base") or {}, f"{path}: base")
     grid = check_keys(data["grid"] or {}, f"{path}: grid")
     if not grid:

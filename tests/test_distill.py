@@ -22,7 +22,7 @@ from specdec_jax.distill.config import TrainConfig, train_config
 from specdec_jax.distill.data import batch_indices, split_questions, vocab_by_frequency
 from specdec_jax.distill.draft import copied_layers, distill_loss
 from specdec_jax.distill.kinds import kind_of
-from specdec_jax.distill.train import train_draft
+from specdec_jax.distill.train import learning_rate_schedule, train_draft
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import Llama
@@ -108,7 +108,7 @@ def test_missing_corrupt_or_mismatched_checkpoints_are_clear_errors(trained, tmp
         train_draft(tc, tmp_path / "empty", resume=True, progress=False)
     run = tmp_path / "copy"
     shutil.copytree(folder / "run", run)
-    with pytest.raises(ValueError, match="different config.*learning_rate"):
+    with pytest.raises(ValueError, match=r"the config changed since checkpoint .*: learning_rate \(0.003 -> 0.0001\)"):
         train_draft(dataclasses.replace(tc, learning_rate=1e-4), run, resume=True, progress=False)
     latest = max((run / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
     for f in (latest / "state").rglob("*"):
@@ -116,6 +116,59 @@ def test_missing_corrupt_or_mismatched_checkpoints_are_clear_errors(trained, tmp
             f.write_bytes(b"garbage")
     with pytest.raises(ValueError, match=f"checkpoint .*{latest.name}.* cannot be read"):
         train_draft(tc, run, resume=True, progress=False)
+
+
+def config_file(tc: TrainConfig, path: pathlib.Path) -> pathlib.Path:
+    """``tc`` as a train config file (for the command line)."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(tc.to_dict()))
+    return path
+
+
+def test_resume_with_another_kind_names_every_changed_key_in_one_line(trained, tmp_path, capsys):
+    """Checked before the checkpoint is restored: orbax's refusal of the other tree was a 119-line dump."""
+    tc, folder, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(folder / "run", run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    args = ["train-draft", "--config", str(config_file(tc, tmp_path / "t.yaml")), "--out", str(run), "--resume"]
+    assert main([*args, "--kind", "eagle", "--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert (f"--resume: the config changed since checkpoint {run / 'checkpoints' / str(STEPS)}: kind ('model' -> "
+            "'eagle'), seed (0 -> 5); resume with the same flags and --config, or train into a new --out") in err, err
+    assert main([*args, "--steps", str(STEPS - 2)]) == 2
+    assert f"steps {STEPS - 2} is below the step of checkpoint" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written
+
+
+def test_resume_with_more_steps_extends_the_run_on_the_first_schedule(trained, tmp_path):
+    """`--resume --steps N` after a finished run trains the steps past it from its checkpoint, at the final
+    rate of the run's first schedule; an extension stopped and resumed ends with the same weights."""
+    tc, folder, summary = trained
+    more = STEPS + 3
+    runs = {}
+    for name in ("whole", "stopped"):
+        runs[name] = tmp_path / name
+        shutil.copytree(folder / "run", runs[name])
+    args = ["train-draft", "--config", str(config_file(tc, tmp_path / "t.yaml")), "--resume", "--steps", str(more)]
+    assert main([*args, "--out", str(runs["whole"])]) == 0
+    assert [r["step"] for r in log_of(runs["whole"])] == list(range(1, more + 1))
+    extended = dataclasses.replace(tc, steps=more)
+    first = train_draft(extended, runs["stopped"], resume=True, progress=False, stop_after=2)
+    assert first["steps"] == STEPS + 2 and not first["finished"]
+    second = train_draft(extended, runs["stopped"], resume=True, progress=False)
+    assert second["finished"] and second["steps"] == more
+    a = load_model(str(runs["whole"] / "draft")).model.arrays()
+    b, before = load_model(second["draft"]).model.arrays(), load_model(summary["draft"]).model.arrays()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert any(not np.array_equal(a[name], before[name]) for name in a)  # the extension trained
+    meta = json.loads((runs["whole"] / "checkpoints" / str(more) / "meta" / "metadata").read_text())
+    assert meta["schedule_steps"] == STEPS and meta["config"]["steps"] == more
+    schedule = learning_rate_schedule(extended, STEPS)
+    assert float(schedule(STEPS)) == float(schedule(more - 1)) == pytest.approx(0.1 * tc.learning_rate)
 
 
 def test_exported_draft_loads_by_path_and_drafts_losslessly(trained):

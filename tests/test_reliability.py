@@ -112,6 +112,80 @@ def test_sigint_stops_a_sweep_keeping_its_finished_points_and_a_training_keeping
     assert "the checkpoint of step" in line and "--resume" in line, line
 
 
+CALIBRATING = [sys.executable, "-m", "specdec_jax.cli", "generate", "--model", "tiny-random", "--raw", "--prompt", "hi",
+               "--drafter", "draft-model", "--draft-model", "tiny-random-draft", "--gamma", "auto", "--batch-size", "64"]
+
+
+def _uncached_env(cache: pathlib.Path) -> dict:
+    """The environment of a child that calibrates and compiles for real: a fresh SPECDEC_CACHE, no
+    persistent compilation cache, the default optimisation level (the suite's are in compile_cache)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
+    env["SPECDEC_CACHE"] = str(cache)
+    return env
+
+
+def _sigterm_during_calibration(tmp_path, delays) -> None:
+    """One child per delay, a fresh cache each: SIGTERM ``delay`` seconds after it prints its calibrating
+    line (compiling or timing the shapes). Each must exit 143 with the one line, never by a signal."""
+    import threading
+
+    children = []
+    for n, delay in enumerate(delays):
+        child = subprocess.Popen(CALIBRATING, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=_uncached_env(tmp_path / f"cache{n}"))
+        calibrating = threading.Event()
+        threading.Thread(target=lambda c=child, e=calibrating: any(e.set() for line in c.stdout if "calibrating" in line),
+                         daemon=True).start()
+        children.append((delay, child, calibrating))
+    for delay, child, calibrating in children:
+        assert calibrating.wait(180), child.communicate()
+    start = time.monotonic()
+    for delay, child, calibrating in sorted(children, key=lambda c: c[0]):
+        time.sleep(max(0.0, start + delay - time.monotonic()))
+        child.send_signal(signal.SIGTERM)
+    for delay, child, _ in children:
+        err = child.stderr.read()
+        child.wait(timeout=60)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert child.returncode == 143, (delay, child.returncode, lines[-5:])  # a segfault is -11 (139 in a shell)
+        assert lines == ["specdec-jax: generate stopped by SIGTERM; kept: nothing (the report is written when every "
+                         "prompt is done)"], (delay, lines)
+
+
+def test_sigterm_during_calibration_exits_143_not_a_segfault(tmp_path):
+    """A stop that lands while XLA compiles a calibration program: jaxlib lets the KeyboardInterrupt
+    unwind the main thread, the compile goes on in XLA's thread pool, and Python's finalization freed
+    the client under it (segfault after the right line). Two children, SIGTERM 1 s and 3 s in."""
+    _sigterm_during_calibration(tmp_path, (1.0, 3.0))
+
+
+@pytest.mark.slow
+def test_sigterm_at_many_points_of_a_calibration_exits_143(tmp_path):
+    for pair in ((0.0, 0.5), (2.0, 4.0), (6.0, 9.0)):
+        _sigterm_during_calibration(tmp_path / str(pair[0]), pair)
+
+
+def test_a_stopped_command_ends_without_python_finalization():
+    """The console script ends a stopped command through `interrupts.exit_now`: no atexit, no
+    garbage collection of jax's client (the test above, deterministic)."""
+    script = ("import atexit, os, signal, sys\n"
+              "from specdec_jax import cli\n"
+              "def stop_me(args):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    while True:\n"
+              "        pass\n"
+              "cli._theory = stop_me\n"
+              "atexit.register(lambda: print('finalized', flush=True))\n"
+              "sys.argv = ['specdec-jax', 'theory', '--alpha', '0.5', '--gamma', '1']\n"
+              "print('running', flush=True)\n"
+              "sys.exit(cli.console())\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 143, child.stderr
+    assert child.stdout == "running\n"
+    assert child.stderr == "specdec-jax: theory stopped by SIGTERM; kept: nothing\n"
+
+
 def test_a_signal_inside_a_deferred_block_stops_at_its_end():
     """A SIGINT inside `interrupts.deferred()` (orbax's checkpoint finalize) lets the block finish, then
     stops with the one line: an interrupt raised inside orbax's join was logged with a traceback."""
@@ -165,7 +239,10 @@ def test_chunked_loop_equals_one_call(monkeypatch):
 ])
 def test_config_values_of_the_wrong_type_name_file_and_key(tmp_path, capsys, text, message):
     path = tmp_path / "run.yaml"
-    path.write_text(f"model: tiny-random\nprompt: x\nmax_new_tokens: 2\n{text}\n")  # the last of a repeated key wins
+    given = text.split(":")[0]
+    base = "".join(f"{k}: {v}\n" for k, v in (("model", "tiny-random"), ("prompt", "x"), ("max_new_tokens", 2))
+                   if k != given)  # a key given twice is an error of its own (test_bad_inputs)
+    path.write_text(f"{base}{text}\n")
     assert main(["generate", "--config", str(path)]) == 2
     line = one_error_line(capsys)
     assert str(path) in line and message in line, line

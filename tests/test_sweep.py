@@ -142,7 +142,7 @@ def test_same_config_and_seed_give_identical_outputs(tmp_path):
     ("base: {}\ngrid: {gamma: 4}\n", "grid key 'gamma' needs a non-empty list"),
     ("base: {}\ngrid: {gamma: [2, -1]}\n", "point {'gamma': -1}: gamma must be an int >= 0"),
     ("base: {}\n", "a sweep file has the keys"),
-    ("grid: {gamma: [1]}\nextra: 1\n", "a sweep file has the keys"),
+    ("grid: {gamma: [1]}\nextra: 1\n", r"unknown key 'extra' \(known: base, grid\)"),
     ("grid: {}\n", "grid is empty"),
 ])
 def test_bad_sweep_files_name_the_file_and_key(tmp_path, text, message):

@@ -17,6 +17,16 @@ export) lives in `distill.kinds`; everything else is this one pipeline.
 The run is deterministic given the config: batches come from seeded
 permutations indexed by step (`distill.data.batch_indices`), so `--resume`
 from the last checkpoint reproduces the uninterrupted run's weights exactly.
+
+`--resume` takes the config the checkpoint was written with, checked before
+anything is loaded: any other change is refused, naming every changed key,
+except the keys of RESUMABLE_KEYS. A larger `steps` extends the run (400 steps,
+then `--resume --steps 450`: steps 401..450 from the checkpoint). The learning
+rate schedule stays the one of the run's first `steps` (`schedule_steps`, kept in
+every checkpoint): the steps past it train at its final rate, 10% of the peak.
+Rule: a schedule is never stretched over steps already taken; a cosine redrawn
+over 450 steps would raise the rate the first 400 had annealed (back to 71% of
+the peak for 400 -> 1000) and the extended run would match no uninterrupted one.
 """
 
 from __future__ import annotations
@@ -45,21 +55,29 @@ from specdec_jax.models import load_model
 from specdec_jax.models.loaded import LoadedModel
 
 
-def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to 10% of the peak, after global-norm clipping;
-    norms are not decayed."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
-                                                  end_value=0.1 * tc.learning_rate)
+RESUMABLE_KEYS = ("steps", "save_every", "eval_every", "keep_checkpoints")  # may change on --resume (docstring)
+
+
+def learning_rate_schedule(tc: TrainConfig, schedule_steps: int | None = None) -> optax.Schedule:
+    """Linear warmup then cosine decay to 10% of the peak at ``schedule_steps`` (default ``tc.steps``:
+    the run's first total, module docstring), constant at 10% after it."""
+    return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, schedule_steps or tc.steps,
+                                              end_value=0.1 * tc.learning_rate)
+
+
+def optimizer(tc: TrainConfig, schedule_steps: int | None = None) -> optax.GradientTransformation:
+    """AdamW on `learning_rate_schedule`, after global-norm clipping; norms are not decayed."""
     decay = lambda params: {k: not k.endswith("norm") for k in params}  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                       optax.adamw(schedule, weight_decay=tc.weight_decay, mask=decay))
+                       optax.adamw(learning_rate_schedule(tc, schedule_steps), weight_decay=tc.weight_decay,
+                                   mask=decay))
 
 
 @functools.cache
-def compiled(setup, tc: TrainConfig):
-    """(optimizer, train_step, evaluate) of an architecture and train config, built once per process
-    (a resumed run in the same process reuses the compiled step)."""
-    opt, kind = optimizer(tc), kind_of(tc)
+def compiled(setup, tc: TrainConfig, schedule_steps: int):
+    """(optimizer, train_step, evaluate) of an architecture, train config and schedule length, built
+    once per process (a resumed run in the same process reuses the compiled step)."""
+    opt, kind = optimizer(tc, schedule_steps), kind_of(tc)
     return opt, make_train_step(kind, setup, opt), make_eval(kind, setup, tc.batch_size)
 
 
@@ -119,6 +137,7 @@ def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, sto
         raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
     if not resume and manager.latest_step() is not None:
         raise ValueError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
+    schedule_steps = _resumable(manager, tc) if resume else tc.steps  # before any model or data loads
     target, kind = load_model(tc.target), kind_of(tc)
     setup = kind.setup(target, tc)
     train_data, heldout_data = _datasets(target, tc, out, progress)
@@ -130,11 +149,11 @@ def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, sto
     del target
     frozen = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items() if k in kind.frozen(tc)}
     trainable = {k: jnp.asarray(v) for k, v in arrays.items() if k not in kind.frozen(tc)}
-    opt, train_step, evaluate = compiled(setup, tc)
+    opt, train_step, evaluate = compiled(setup, tc, schedule_steps)
     opt_state = opt.init(trainable)
     start = 0
     if resume:
-        start, trainable, opt_state = _restore(manager, tc, trainable, opt_state)
+        start, trainable, opt_state = _restore(manager, trainable, opt_state)
         _truncate_log(out / "log.jsonl", start)
     last = min(tc.steps, start + stop_after) if stop_after is not None else tc.steps
     bar = tqdm(range(start, last), desc="train-draft", unit="step", disable=not progress, initial=start,
@@ -157,7 +176,7 @@ def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, sto
                 log.flush()
                 if (step + 1) % tc.save_every == 0 or step + 1 in (last, tc.steps):
                     with interrupts.deferred():
-                        _save(manager, step + 1, tc, trainable, opt_state)
+                        _save(manager, step + 1, tc, schedule_steps, trainable, opt_state)
         finally:  # an interrupt too: the checkpoint being written completes, orbax's threads end
             with interrupts.deferred():
                 manager.wait_until_finished()
@@ -207,31 +226,51 @@ def _checkpoint_manager(out: pathlib.Path, tc: TrainConfig) -> ocp.CheckpointMan
     return ocp.CheckpointManager(out / "checkpoints", options=options)
 
 
-def _save(manager, step: int, tc: TrainConfig, trainable, opt_state) -> None:
-    meta = {"step": step, "config": tc.to_dict(), "data_position": {"next_step": step, "seed": tc.seed}}
+def _save(manager, step: int, tc: TrainConfig, schedule_steps: int, trainable, opt_state) -> None:
+    meta = {"step": step, "config": tc.to_dict(), "schedule_steps": schedule_steps,
+            "data_position": {"next_step": step, "seed": tc.seed}}
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}),
         meta=ocp.args.JsonSave(meta)), force=True)
 
 
-def _restore(manager, tc: TrainConfig, trainable, opt_state):
-    """(step, trainable, opt_state) of the latest checkpoint; a config change or an unreadable
-    checkpoint is a ValueError."""
+def _resumable(manager, tc: TrainConfig) -> int:
+    """The schedule length of the run the latest checkpoint belongs to, if ``tc`` may resume it: the
+    same config but for RESUMABLE_KEYS, and ``steps`` not below the checkpoint's step; else a
+    ValueError naming every changed key (module docstring)."""
     step = manager.latest_step()
     where = manager.directory / str(step)
+    meta = _checkpoint_part(manager, step, meta=ocp.args.JsonRestore())["meta"]
+    saved = {**TrainConfig().to_dict(), **meta["config"]}  # a field newer than the checkpoint: its default
+    changed = [f"{k} ({saved[k]!r} -> {v!r})" for k, v in tc.to_dict().items()
+               if k not in RESUMABLE_KEYS and saved[k] != v]
+    if changed:
+        raise ValueError(f"--resume: the config changed since checkpoint {where}: {', '.join(changed)}; resume with "
+                         "the same flags and --config, or train into a new --out")
+    if tc.steps < step:
+        raise ValueError(f"--resume: steps {tc.steps} is below the step of checkpoint {where}: give --steps {step} "
+                         "or more (more extends the run)")
+    return int(meta.get("schedule_steps", saved["steps"]))
+
+
+def _restore(manager, trainable, opt_state):
+    """(step, trainable, opt_state) of the latest checkpoint (its config checked by `_resumable`)."""
+    step = manager.latest_step()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"trainable": trainable, "opt_state": opt_state})
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    except Exception as err:  # orbax raises many kinds: name the checkpoint
-        raise ValueError(f"checkpoint {where} cannot be read ({err.__class__.__name__}: {err}); "
-                         "delete it to resume from an earlier one") from None
-    saved = restored["meta"]["config"]
-    if saved != tc.to_dict():
-        changed = sorted(k for k in saved if saved[k] != tc.to_dict().get(k))
-        raise ValueError(f"checkpoint {where} was written with a different config (changed: {', '.join(changed)})")
+    restored = _checkpoint_part(manager, step, state=ocp.args.StandardRestore(abstract))
     state = restored["state"]
-    return int(restored["meta"]["step"]), state["trainable"], state["opt_state"]
+    return step, state["trainable"], state["opt_state"]
+
+
+def _checkpoint_part(manager, step: int, **items):
+    """``items`` (orbax restore args by name) of checkpoint ``step``; an unreadable checkpoint is a
+    ValueError of one line naming it (orbax's own messages can hold whole tree dumps)."""
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as err:  # noqa: BLE001 - orbax raises many kinds: name the checkpoint
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"checkpoint {manager.directory / str(step)} cannot be read ({err.__class__.__name__}: "
+                         f"{first}); delete it to resume from an earlier one") from None
 
 
 def read_log(path: pathlib.Path) -> list[dict]:
