@@ -162,7 +162,8 @@ DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("drafter", [pytest.param(d, marks=pytest.mark.slow) if d == "ngram" else d
+                                     for d in DRAFTERS])  # the n-gram chain: the tree's code path, in the slow step
 def test_greedy_speculation_equals_plain_decoding_up_to_near_ties(drafter):
     """Each row of a gamma-4 run (a chain) or a 12-node tree run is plain decoding's output, or first
     differs at a bfloat16 near-tie of plain decoding (on this CPU: equal, every row)."""

@@ -487,6 +487,7 @@ def test_bfloat16_weights_keep_logits_near_float32(family):
     assert 0 < float(jnp.max(jnp.abs(got - want))) < 0.1 * spread  # rounded, not broken
 
 
+@pytest.mark.slow  # tests/test_bfloat16.py guards it by default, row by row
 def test_bfloat16_speculation_equals_bfloat16_plain_decoding():
     """Greedy speculation (chain and tree) of a bfloat16 Qwen2-shaped target emits exactly its plain greedy
     tokens: verification is exact whatever the dtype."""

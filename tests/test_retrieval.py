@@ -652,7 +652,7 @@ def outputs_drafter(**options) -> RetrievalDrafter:
     return RetrievalDrafter.from_datastore(None, outputs=4096, **options)
 
 
-@pytest.mark.parametrize("tree", [None, TREE])
+@pytest.mark.parametrize("tree", [None, pytest.param(TREE, marks=pytest.mark.slow)])
 def test_outputs_datastore_drafts_from_earlier_calls_never_from_its_own(tree):
     """First call: the store is empty, so every draft is prompt lookup's (the same rounds and drafts as
     the n-gram drafter alone); the same prompts again draft their first call's outputs: the same tokens
