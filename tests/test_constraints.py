@@ -182,15 +182,22 @@ def sample_path(tables: GrammarTables, rng, limit: int) -> list[int] | None:
     return None
 
 
-@pytest.mark.parametrize("schema", [PERSON, TOOL_CALL, ITEMS], ids=["person", "tool_call", "items"])
-def test_schema_paths_are_valid_json_of_the_schema(schema):
-    tables = byte_tables(Constraint(json_schema=json.dumps(schema)).pattern())
-    rng = np.random.default_rng(1)
-    paths = [p for p in (sample_path(tables, rng, 4000) for _ in range(40)) if p is not None]
-    assert len(paths) >= 30
+def sampled_valid_values(tables, schema, seed: int, tries: int, steps: int, at_least: int) -> list:
+    """Values of ``tries`` random paths through ``tables`` (at least ``at_least`` of them end), each
+    checked against ``schema`` by `jsonschema`."""
+    rng = np.random.default_rng(seed)
+    paths = [p for p in (sample_path(tables, rng, steps) for _ in range(tries)) if p is not None]
+    assert len(paths) >= at_least
     values = [json.loads(bytes(ids).decode("utf-8")) for ids in paths]
     for value in values:
         jsonschema.validate(value, schema)
+    return values
+
+
+@pytest.mark.parametrize("schema", [PERSON, TOOL_CALL, ITEMS], ids=["person", "tool_call", "items"])
+def test_schema_paths_are_valid_json_of_the_schema(schema):
+    values = sampled_valid_values(byte_tables(Constraint(json_schema=json.dumps(schema)).pattern()), schema,
+                                  seed=1, tries=40, steps=4000, at_least=30)
     if schema is PERSON:
         assert {"email" in value for value in values} == {True, False}  # the optional field, with and without
 
@@ -280,13 +287,7 @@ HONOURED = {  # every keyword outlines-core enforces, and some that no value of 
 
 
 def test_schemas_with_every_honoured_keyword_sample_valid_json():
-    tables = schema_tables(HONOURED)
-    rng = np.random.default_rng(4)
-    paths = [p for p in (sample_path(tables, rng, 3000) for _ in range(60)) if p is not None]
-    assert len(paths) >= 40
-    values = [json.loads(bytes(ids).decode("utf-8")) for ids in paths]
-    for value in values:
-        jsonschema.validate(value, HONOURED)
+    values = sampled_valid_values(schema_tables(HONOURED), HONOURED, seed=4, tries=60, steps=3000, at_least=40)
     assert {"maybe" in v for v in values} == {True, False} and {v["id"] for v in values} <= set(range(100, 251))
 
 
