@@ -18,6 +18,7 @@ Models: `tiny-random` and `tiny-random-draft` cast to bfloat16 (logit std about 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -198,3 +199,17 @@ def test_the_near_tie_rule_rejects_a_verifier_that_accepts_every_draft():
     assert rejected >= 3
     margins = np.concatenate([plain_margins(row) for row in range(len(prompts()))])
     assert np.mean(margins < BF16_TIE) < 0.25
+
+
+def test_the_comparison_of_a_bfloat16_model_allows_its_rounding_near_ties(monkeypatch):
+    """`compare_rows` (bench's tie-aware check) takes the near-tie bound of the model's dtype: a flip
+    at a margin of 0.05 is a near-tie in bfloat16, a difference in float32."""
+    from specdec_jax import compare
+
+    monkeypatch.setattr(compare, "teacher_forced_margins", lambda *args: np.array([1.0, 0.05, 1.0]))
+    rows = ([[1]], [[5, 6, 7]], [[5, 9, 7]])
+    for dtype, ok in (("bfloat16", True), ("float32", False)):
+        config = dataclasses.replace(models()[0].config, dtype=dtype)
+        rate, [row] = compare.compare_rows(config, None, *rows)
+        assert rate == 0.0 and row.first_divergence == 1 and row.ok is ok, (dtype, row)
+    assert compare.TOLERANCE["bfloat16"] == BF16_TIE
