@@ -132,12 +132,7 @@ def latest_checkpoint(out: str | pathlib.Path) -> str:
 
 def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
     """The body of `train_draft`, holding ``out``'s lock."""
-    manager = _checkpoint_manager(out, tc)
-    if resume and manager.latest_step() is None:
-        raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
-    if not resume and manager.latest_step() is not None:
-        raise ValueError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
-    schedule_steps = _resumable(manager, tc) if resume else tc.steps  # before any model or data loads
+    manager, schedule_steps = _checkpoints(out, tc, resume)
     target, kind = load_model(tc.target), kind_of(tc)
     setup = kind.setup(target, tc)
     train_data, heldout_data = _datasets(target, tc, out, progress)
@@ -191,6 +186,17 @@ def _train(tc: TrainConfig, out: pathlib.Path, resume: bool, progress: bool, sto
         summary.update(heldout=heldout, draft=str(path))
         plot_training(out / "log.jsonl", out / "training_curve.png")
     return summary
+
+
+def _checkpoints(out: pathlib.Path, tc: TrainConfig, resume: bool):
+    """(the checkpoint manager of ``out``, the steps the learning-rate schedule spans), checked before any
+    model or data loads: a resume needs a checkpoint of the same config, a fresh run none."""
+    manager = _checkpoint_manager(out, tc)
+    if resume and manager.latest_step() is None:
+        raise ValueError(f"nothing to resume: no checkpoint in {out / 'checkpoints'}")
+    if not resume and manager.latest_step() is not None:
+        raise ValueError(f"{out} already has checkpoints: pass --resume to continue, or choose another --out")
+    return manager, (_resumable(manager, tc) if resume else tc.steps)
 
 
 def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress: bool) -> tuple[Dataset, Dataset]:

@@ -141,17 +141,7 @@ def prepare(
     ``compile_loop``: also compile `run_loop` for this batch (with a traced round count, as `generate`
     calls it) and check its memory before prefill runs (`compiled_loop`)."""
     model, target_params = resolve_target(target)
-    gamma = _tree_gamma(drafter, gamma, policy)
-    auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
-    if auto:
-        if drafter is None:
-            raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
-        if gamma not in (None, AUTO):
-            raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
-        tree = getattr(drafter, "tree", None)
-        gamma = policy.max_gamma if policy is not None else max(AUTO_GAMMAS) if tree is None else tree.nodes
-    elif gamma is None:
-        gamma = 0
+    gamma, auto = _widest_gamma(drafter, gamma, policy, policy_for)
     prompts = [list(map(int, p)) for p in prompts]
     mesh = mesh if mesh is not None and mesh.size > 1 else None
     stops = tuple(sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set())))
@@ -161,26 +151,10 @@ def prepare(
     batch = _round_up(_next_power_of_two(num_rows), data)  # the data axis divides the batch
     longest = max(map(len, prompts))
     capacity = capacity or default_capacity(longest, max_new_tokens, gamma)
-    if auto and policy is None and policy_for is None:
-        raise ValueError("gamma 'auto' needs a ShapePolicy (policy=) or a builder of one (policy_for=); "
-                         "engine.prepare and engine.generate use this device's calibrated costs")
-    padded = np.zeros((batch, prompt_bucket(longest)), np.int32)
-    lens = np.ones((batch,), np.int32)
-    for b, p in enumerate(prompts):
-        padded[b, : len(p)] = p
-        lens[b] = len(p)
+    padded, lens = _padded(prompts, batch)
     free = sharding.least_over_processes(free_device_bytes())  # one decision, or a process waits alone in a collective
     check_memory_floor(model, lens, capacity, gamma, 1 if mesh is None else mesh.size, free)
-    ids = np.arange(batch, dtype=np.int32)
-    if row_ids is not None:
-        if len(row_ids) != num_rows:
-            raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(row_ids)}")
-        ids[:num_rows] = list(row_ids)
-        ids[num_rows:] = 0
-    per_row = [sampling] * num_rows if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(per_row) != num_rows:
-        raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
-    rows = RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
+    ids, rows = _row_ids_and_sampling(row_ids, sampling, num_rows, batch)
     tables, grammar_state = row_grammars(grammars, num_rows, batch, model.vocab_size, max_new_tokens)
 
     spec = EngineSpec(model, drafter if gamma > 0 else None, gamma, capacity, stops, record_top_k, mesh, None)
@@ -193,9 +167,7 @@ def prepare(
     run_prefill = compiled_prefill(spec, params, inputs, lens, free)  # refuses what does not fit before calibrating
     if auto and policy is None:
         policy = policy_for(batch, capacity)
-    if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
-        raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
-                         "drafter one over chain lengths")
+    _check_policy_kind(policy, drafter)
     loop_spec = dataclasses.replace(spec, policy=policy) if policy is not None and gamma > 0 else spec
     if compile_loop:
         compiled_loop(loop_spec, params, loop_state_shapes(spec, loop_spec, params, inputs), lens, free)
@@ -203,6 +175,57 @@ def prepare(
     if loop_spec is not spec:
         state = start_policy(loop_spec, state)
     return Prepared(loop_spec, params, state, lens, num_rows)
+
+
+def _widest_gamma(drafter: Drafter | None, gamma, policy: ShapePolicy | None,
+                  policy_for: PolicyFor | None) -> tuple[int, bool]:
+    """(G, whether a shape policy chooses each round's shape): under a policy, G is its widest shape
+    (`AUTO_GAMMAS`' or the tree's node count before calibration); gamma None without a drafter is 0."""
+    gamma = _tree_gamma(drafter, gamma, policy)
+    auto = gamma == AUTO or (gamma is None and drafter is not None) or policy is not None
+    if not auto:
+        return (0 if gamma is None else gamma), False
+    if drafter is None:
+        raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
+    if gamma not in (None, AUTO):
+        raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
+    if policy is None and policy_for is None:
+        raise ValueError("gamma 'auto' needs a ShapePolicy (policy=) or a builder of one (policy_for=); "
+                         "engine.prepare and engine.generate use this device's calibrated costs")
+    tree = getattr(drafter, "tree", None)
+    return (policy.max_gamma if policy is not None else max(AUTO_GAMMAS) if tree is None else tree.nodes), True
+
+
+def _row_ids_and_sampling(row_ids, sampling, num_rows: int, batch: int) -> tuple[np.ndarray, RowSampling]:
+    """(i32[batch] row ids: the given ones or 0..batch-1, padding rows 0; each row's sampling, padding
+    rows copying row 0's)."""
+    ids = np.arange(batch, dtype=np.int32)
+    if row_ids is not None:
+        if len(row_ids) != num_rows:
+            raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(row_ids)}")
+        ids[:num_rows] = list(row_ids)
+        ids[num_rows:] = 0
+    per_row = [sampling] * num_rows if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(per_row) != num_rows:
+        raise ValueError(f"got {len(per_row)} SamplingParams for {num_rows} prompts")
+    return ids, RowSampling.from_params(per_row + [per_row[0]] * (batch - num_rows), batch)
+
+
+def _check_policy_kind(policy: ShapePolicy | None, drafter: Drafter | None) -> None:
+    """A tree drafter's policy chooses node counts, a chain drafter's chain lengths."""
+    if policy is not None and policy.tree != (getattr(drafter, "tree", None) is not None):
+        raise ValueError("a tree drafter needs a shape policy over node counts (ShapePolicy(tree=True)), a chain "
+                         "drafter one over chain lengths")
+
+
+def _padded(prompts: list[list[int]], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[batch, bucket] prompts padded with 0, i32[batch] lengths; padding rows have length 1)."""
+    padded = np.zeros((batch, prompt_bucket(max(map(len, prompts)))), np.int32)
+    lens = np.ones((batch,), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+        lens[b] = len(p)
+    return padded, lens
 
 
 def row_grammars(grammars, num_rows: int, batch: int, vocab_size: int, max_new_tokens: int
