@@ -1,12 +1,14 @@
 """Tiny decoders of each Hugging Face family, with weights regenerated from a fixed seed (never committed).
 
 Shared by ``scripts/make_hf_family_reference.py``, which runs them through transformers and
-records the logits in ``tests/fixtures/hf_families.json``, and ``tests/test_hf_families.py``,
-which runs the same weights through this project's loader and decoder. Neither imports torch here.
+records the logits in ``tests/fixtures/hf_families.json`` (and ``hf_rope.json``), and
+``tests/test_hf_families.py``, which runs the same weights through this project's loader and decoder.
+Neither imports torch here.
 
 ``FAMILIES`` holds, per ``model_type``, the keyword arguments of transformers' config class
-(``AutoConfig.for_model(model_type, **kwargs)``); ``state_dict(config)`` draws every weight of a
-config dict (the fixture records transformers' own ``config.to_dict()``) with numpy, named and
+(``AutoConfig.for_model(model_type, **kwargs)``), ``ROPE_VARIANTS`` those of Llamas with RoPE
+scaling; ``state_dict(config)`` draws every weight of a config dict (the fixture records
+transformers' own ``config.to_dict()``) with numpy, named and
 shaped as Hugging Face's state dict, float32 values: ``V`` vocab, ``H`` hidden, ``I`` MLP width,
 ``N`` / ``K`` query / kv heads of size ``D``::
 
@@ -46,10 +48,41 @@ FAMILIES = {  # model_type -> transformers config kwargs (rms_norm_eps: each cla
 SEQUENCES = 2  # token sequences per family
 LENGTH = 12  # tokens per sequence
 
+# RoPE scalings of a Llama (the weights of FAMILIES["llama"]): name -> transformers config kwargs.
+# Their original contexts (32 or 64 positions; wavelengths 2 pi * 10000^(2i/16) = 6.3, 20, 63, 199, ...)
+# put each type's bands inside the head: kept, blended and scaled pairs (yarn_options' betas put both
+# ends of yarn's ramp strictly inside, so that each of its options moves the logits). The
+# `rope_scaling` dicts are spelled as config.json files of Llama 3.1 / 3.2 and older ones spell them
+# (``rope_type`` or the older ``type``).
+ROPE_COMMON = dict(COMMON, rope_theta=10000.0)
+ROPE_VARIANTS = {
+    "llama3": dict(ROPE_COMMON, tie_word_embeddings=False, max_position_embeddings=512, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "llama3_tied": dict(ROPE_COMMON, tie_word_embeddings=True, max_position_embeddings=1024, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}),
+    "linear": dict(ROPE_COMMON, tie_word_embeddings=False, max_position_embeddings=256,
+                   rope_scaling={"type": "linear", "factor": 4.0}),
+    "yarn_tied": dict(ROPE_COMMON, tie_word_embeddings=True, max_position_embeddings=256, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "yarn_options": dict(ROPE_COMMON, tie_word_embeddings=False, max_position_embeddings=128, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 4.0, "beta_slow": 0.5,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}),
+}
+ROPE_PROMPT = 16  # prompt tokens of each RoPE sequence
+ROPE_NEW_TOKENS = 24  # greedy tokens after it: positions up to 39
 
-def sequences(vocab_size: int) -> np.ndarray:
-    """``i32[SEQUENCES, LENGTH]`` token ids in ``[0, vocab_size)``, fixed by ``SEED``."""
-    return np.random.default_rng([SEED, 1]).integers(0, vocab_size, (SEQUENCES, LENGTH)).astype(np.int32)
+
+def sequences(vocab_size: int, length: int = LENGTH, stream: int = 1) -> np.ndarray:
+    """``i32[SEQUENCES, length]`` token ids in ``[0, vocab_size)``, fixed by ``SEED`` and ``stream``."""
+    return np.random.default_rng([SEED, stream]).integers(0, vocab_size, (SEQUENCES, length)).astype(np.int32)
+
+
+def rope_prompts(vocab_size: int) -> np.ndarray:
+    """``i32[SEQUENCES, ROPE_PROMPT]``: the prompts of the RoPE scaling fixture (a stream whose greedy steps
+    all have a top-2 margin above the script's ``MIN_MARGIN``, for every variant)."""
+    return sequences(vocab_size, ROPE_PROMPT, stream=6)
 
 
 def _has_bias(config: dict) -> bool:

@@ -97,6 +97,36 @@ def test_bad_gguf_through_the_cli(tmp_path, cache, gguf_bytes, weights, capsys, 
     assert not (cache / "converted").exists()
 
 
+BAD_ROPE = {  # name -> (llama.rope.scaling.* keys, rope_freqs tensor or None, what the error says)
+    "another type": ({"type": "longrope", "factor": 4.0}, None,
+                     r"llama\.rope\.scaling\.type = 'longrope' is not supported by this decoder \(none, linear, yarn\)$"),
+    "another key": ({"type": "yarn", "factor": 4.0, "original_context_length": 512, "yarn_ext_factor": 0.5}, None,
+                    r"llama\.rope\.scaling\.yarn_ext_factor is not supported by this decoder \(rope scaling 'yarn'\)$"),
+    "no factor": ({"type": "linear"}, None,
+                  r"metadata key llama\.rope\.scaling\.factor is missing: rope scaling 'linear' needs it$"),
+    "rope_freqs and a type": ({"type": "linear", "factor": 2.0}, [1.0, 1.0, 2.0, 8.0],
+                              r"tensor rope_freqs\.weight together with llama\.rope\.scaling\.type = 'linear' is "
+                              r"not supported by this decoder$"),
+    "rope_freqs of another size": ({}, [1.0, 2.0, 8.0], r"rope_freqs has 3 factors, head_dim 8 needs 4$"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ROPE)
+def test_gguf_rope_scaling_it_cannot_compute_is_refused_by_name(tmp_path, cache, weights, case):
+    rope, freqs, pattern = BAD_ROPE[case]
+    made = weights if freqs is None else {**weights, "rope_freqs.weight": np.asarray(freqs, np.float32)}
+    path = write_gguf(tmp_path / "rope.gguf", made, rope=rope)
+    message = load_error(path)
+    assert message.startswith(f"{path}: ") and re.search(pattern, message), message
+    assert cache_entries(cache) == []
+
+
+def test_gguf_rope_scaling_refused_through_the_cli(tmp_path, cache, weights, capsys):
+    path = write_gguf(tmp_path / "rope.gguf", weights, rope=BAD_ROPE["another type"][0])
+    line = cli_error(path, capsys)
+    assert line.startswith(f"specdec-jax: error: {path}: ") and re.search(BAD_ROPE["another type"][2], line), line
+
+
 def test_gguf_missing_metadata_key_names_it(tmp_path):
     meta = {"llama.embedding_length": 32, "llama.attention.head_count": 4, "llama.vocab_size": 263,
             "llama.block_count": 2}  # no llama.feed_forward_length
@@ -195,6 +225,25 @@ def weight_of_another_shape(path: pathlib.Path) -> str:
             r"expected \(96, 64\) from config\.json$")
 
 
+def rope_scaling_dynamic(path: pathlib.Path) -> str:
+    edit_config(path, rope_scaling={"type": "dynamic", "factor": 2.0})
+    return (rf"^{re.escape(str(path / 'config.json'))}: rope scaling = \{{'type': 'dynamic', 'factor': 2\.0\}} is not "
+            r"supported by this decoder \(model_type 'llama'\)$")
+
+
+def rope_scaling_unknown(path: pathlib.Path) -> str:
+    edit_config(path, rope_scaling=None, rope_parameters={"rope_type": "su", "factor": 2.0, "rope_theta": 1e4})
+    return (rf"^{re.escape(str(path / 'config.json'))}: rope scaling = \{{'rope_type': 'su', 'factor': 2\.0\}} is not "
+            r"supported by this decoder \(model_type 'llama'\)$")
+
+
+def rope_parameter_missing(path: pathlib.Path) -> str:
+    edit_config(path, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "original_max_position_embeddings": 16})
+    return (rf"^{re.escape(str(path / 'config.json'))}: rope scaling 'llama3' needs high_freq_factor \(a number\): "
+            r"add it to rope_scaling$")
+
+
 def tokenizer_not_readable(path: pathlib.Path) -> str:
     (path / "tokenizer.json").write_text("{}")
     return rf"^{re.escape(str(path / 'tokenizer.json'))}: not a tokenizer the tokenizers package reads \(.*\): download"
@@ -203,7 +252,7 @@ def tokenizer_not_readable(path: pathlib.Path) -> str:
 BAD_HF = {f.__name__.replace("_", " "): f for f in (
     missing_shard, weight_in_another_shard, config_not_json, truncated_safetensors, truncated_indexed_shard,
     index_without_weight_map, size_not_an_int, kv_heads_not_dividing, weight_of_another_shape,
-    tokenizer_not_readable)}
+    rope_scaling_dynamic, rope_scaling_unknown, rope_parameter_missing, tokenizer_not_readable)}
 
 
 @pytest.mark.parametrize("case", BAD_HF)
@@ -219,7 +268,8 @@ def test_config_without_a_required_key_names_the_file_and_the_key(hf_dir, key):
                                   "integer) from the model's original config.json")
 
 
-@pytest.mark.parametrize("case", ["missing shard", "config not json", "truncated safetensors"])
+@pytest.mark.parametrize("case", ["missing shard", "config not json", "truncated safetensors", "rope scaling dynamic",
+                                  "rope scaling unknown"])
 def test_bad_hf_directory_through_the_cli(hf_dir, capsys, case):
     pattern = BAD_HF[case](hf_dir).replace("^", "^specdec-jax: error: ", 1)
     line = cli_error(hf_dir, capsys)

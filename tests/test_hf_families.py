@@ -9,6 +9,12 @@ checksum recorded by the script proves they are the ones transformers ran. They 
 logits must agree within `TOLERANCE`. The power checks show that the fixture sees each family's
 difference: without Qwen2's biases, Qwen3's q/k norms (or with them set to ones), or with the
 wrong RoPE base, the logits move by far more than the tolerance.
+
+RoPE scaling (fixture hf_rope.json, same script): Llamas with llama3, linear and yarn scaling, tied
+and untied, whose original contexts are short enough that every band of each rule lies inside the
+head. Our greedy decoding through the cache gives transformers' tokens (every step's top-2 margin is
+100x the tolerance) and its last-position logits of the prompt and of the last step within
+`TOLERANCE`; the power checks show the scaling, and each option of it, moves the logits.
 """
 
 import dataclasses
@@ -25,6 +31,7 @@ import hf_family_weights as fw
 from specdec_jax.models import Llama
 from specdec_jax.models.llama import forward
 from specdec_jax.models.loading import hf_arrays, hf_config
+from specdec_jax.models.rope import hf_rope_type, yarn_attention_factor
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 FIXTURE = json.loads((FIXTURES / "hf_families.json").read_text())
@@ -42,11 +49,13 @@ def full_precision_matmuls():
         yield
 
 
-def hub_form(config: dict) -> dict:
-    """``config`` with its RoPE base as a top-level ``rope_theta``, the form of config.json files
-    written before transformers 5 (which nests it in ``rope_parameters``)."""
+def hub_form(config: dict, rope_scaling: dict | None = None) -> dict:
+    """``config`` with its RoPE base as a top-level ``rope_theta`` and ``rope_scaling`` (when given), the
+    form of config.json files written before transformers 5 (which nests both in ``rope_parameters``)."""
     out = {k: v for k, v in config.items() if k != "rope_parameters"}
     out["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    if rope_scaling is not None:
+        out["rope_scaling"] = rope_scaling
     return out
 
 
@@ -137,3 +146,96 @@ def test_qwen3_without_its_qk_norms_is_far_off():
 def test_the_rope_base_is_seen(family):
     cfg, arrays = loaded(family)
     assert max_diff(family, our_logits(dataclasses.replace(cfg, rope_theta=1e4), arrays)) > POWER
+
+
+# ---------------------------------------------------------------- RoPE scaling
+
+ROPE = json.loads((FIXTURES / "hf_rope.json").read_text())
+ROPE_NAMES = list(ROPE["variants"])
+PROMPTS = np.asarray(ROPE["prompts"], np.int32)  # [2, 16]
+
+
+@functools.cache
+def rope_loaded(name: str, form: str = "hub"):
+    """(our config, our arrays) of a RoPE variant (``form`` as in `loaded`)."""
+    record = ROPE["variants"][name]
+    config = record["config"] if form == "recorded" else hub_form(record["config"], record["rope_scaling"])
+    weights = fw.state_dict(record["config"])
+    assert fw.checksum(weights) == record["weights_sha256"], f"{name}: run scripts/make_hf_family_reference.py rope"
+    cfg = hf_config(config, f"fixture {name}")
+    return cfg, hf_arrays(cfg, weights)
+
+
+def our_greedy(cfg, arrays, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens i32[2, steps], logits f32[2, V] of the prompt's last position, of the last step)``:
+    greedy decoding of `PROMPTS`, the prompt in one pass, then one token per pass through the cache."""
+    params = Llama.from_arrays(cfg, arrays).params()
+    cache = cfg.init_cache(PROMPTS.shape[0], PROMPTS.shape[1] + steps)
+    logits, cache = jitted_forward(cfg)(params, jnp.asarray(PROMPTS), cache)
+    cache = cache.with_lengths(cache.lengths + PROMPTS.shape[1])  # a pass writes; the caller commits
+    first = step = np.asarray(logits[:, -1], np.float32)
+    tokens = []
+    for index in range(steps):
+        tokens.append(step.argmax(-1).astype(np.int32))
+        if index + 1 < steps:  # the logits that choose the next token
+            logits, cache = jitted_forward(cfg)(params, jnp.asarray(tokens[-1])[:, None], cache)
+            cache = cache.with_lengths(cache.lengths + 1)
+            step = np.asarray(logits[:, -1], np.float32)
+    return np.stack(tokens, axis=1), first, step
+
+
+def rope_diff(name: str, cfg, arrays) -> float:
+    """Max |logit - transformers'| of one pass over the prompt and the recorded greedy tokens, at the
+    prompt's last position and at the last step's."""
+    record = ROPE["variants"][name]
+    sequence = np.concatenate([PROMPTS, np.asarray(record["greedy"], np.int32)[:, :-1]], axis=1)
+    params = Llama.from_arrays(cfg, arrays).params()
+    logits, _ = jitted_forward(cfg)(params, jnp.asarray(sequence), cfg.init_cache(*sequence.shape))
+    logits = np.asarray(logits, np.float32)
+    return float(max(np.abs(logits[:, PROMPTS.shape[1] - 1] - record["first_logits"]).max(),
+                     np.abs(logits[:, -1] - record["last_logits"]).max()))
+
+
+def test_rope_fixture_covers_the_types_tied_and_untied():
+    assert ROPE_NAMES == list(fw.ROPE_VARIANTS)
+    kinds = {}
+    for name in ROPE_NAMES:
+        record = ROPE["variants"][name]
+        assert record["rope_scaling"] == fw.ROPE_VARIANTS[name]["rope_scaling"]
+        assert record["config"]["rope_parameters"]["rope_type"] == hf_rope_type(record["rope_scaling"])
+        kinds.setdefault(hf_rope_type(record["rope_scaling"]), set()).add(record["config"]["tie_word_embeddings"])
+        assert np.asarray(record["greedy_margins"]).min() > POWER  # no near-tie: the tokens must match exactly
+    assert kinds == {"llama3": {False, True}, "linear": {False}, "yarn": {False, True}}
+    assert {"type", "rope_type"} <= {key for name in ROPE_NAMES for key in ROPE["variants"][name]["rope_scaling"]}
+
+
+@pytest.mark.parametrize("name", ROPE_NAMES)
+def test_rope_scaling_matches_transformers(name):
+    cfg, arrays = rope_loaded(name)
+    assert cfg.rope_scaling.rope_type == hf_rope_type(ROPE["variants"][name]["rope_scaling"])
+    assert rope_loaded(name, "recorded")[0] == cfg  # transformers 5's rope_parameters give the same config
+    tokens, first, last = our_greedy(cfg, arrays, ROPE["new_tokens"])
+    record = ROPE["variants"][name]
+    diff = max(np.abs(first - record["first_logits"]).max(), np.abs(last - record["last_logits"]).max())
+    print(f"{name}: max |logits - transformers| = {diff:.2e} (greedy, through the cache)")
+    assert diff < TOLERANCE
+    np.testing.assert_array_equal(tokens, record["greedy"])
+    assert rope_diff(name, cfg, arrays) < TOLERANCE  # one pass over the whole sequence too
+
+
+POWER_CHECKS = {  # variant -> changes of its RopeScaling (None: no scaling) that must move the logits
+    "llama3": [None, dict(high_freq_factor=2.0), dict(low_freq_factor=0.5), dict(original_max_positions=128)],
+    "llama3_tied": [None, dict(factor=8.0)],
+    "linear": [None, dict(factor=2.0)],
+    "yarn_tied": [None, dict(attention_factor=1.0)],
+    "yarn_options": [dict(truncate=True), dict(beta_fast=32.0), dict(beta_slow=1.0),
+                     dict(attention_factor=yarn_attention_factor(4.0, None, None))],
+}
+
+
+@pytest.mark.parametrize("name", ROPE_NAMES)
+def test_rope_scaling_and_each_option_move_the_logits(name):
+    cfg, arrays = rope_loaded(name)
+    for change in POWER_CHECKS[name]:
+        scaling = None if change is None else dataclasses.replace(cfg.rope_scaling, **change)
+        assert rope_diff(name, dataclasses.replace(cfg, rope_scaling=scaling), arrays) > POWER, change

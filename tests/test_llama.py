@@ -6,6 +6,7 @@ shapes: batch 3, capacity 16, blocks of 8, 3 and 1 tokens.
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from specdec_jax.models import (
     split_model,
 )
 from specdec_jax.models.llama import apply
+from specdec_jax.models.rope import RopeScaling
 from specdec_jax.target import FINAL_NORM
 
 CFG = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -64,10 +66,13 @@ def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
     def norm(x, w):
         return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
 
-    inv_freq = cfg.rope_theta ** -(np.arange(0, dim, 2) / dim)
+    inv_freq, gain = cfg.rope_theta ** -(np.arange(0, dim, 2) / dim), 1.0
+    if cfg.rope_scaling is not None:  # the rope_freqs rule: divisors, cos and sin times the attention factor
+        assert cfg.rope_scaling.rope_type == "rope_freqs"
+        inv_freq, gain = inv_freq / np.asarray(cfg.rope_scaling.freq_factors), cfg.rope_scaling.attention_factor
     angles = np.arange(steps)[:, None] * inv_freq
-    cos = np.cos(np.concatenate([angles, angles], -1))[:, None, :]
-    sin = np.sin(np.concatenate([angles, angles], -1))[:, None, :]
+    cos = gain * np.cos(np.concatenate([angles, angles], -1))[:, None, :]
+    sin = gain * np.sin(np.concatenate([angles, angles], -1))[:, None, :]
 
     def rope(x):  # [S,heads,D], HF rotate_half
         return x * cos + np.concatenate([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
@@ -217,6 +222,30 @@ def test_rope_theta_changes_positions_but_not_position_zero(params, tokens, full
     np.testing.assert_allclose(logits[:, 0], full_logits[:, 0], **TOL)  # rotation by 0
     assert np.abs(np.asarray(logits[:, 2:]) - full_logits[:, 2:]).max() > 0.1
     np.testing.assert_allclose(logits[1], reference_logits(cfg, params, tokens[1]), **TOL)
+
+
+def test_scaled_rope_reaches_every_position_and_the_config_stays_static(params, tokens, full_logits):
+    """A `RopeScaling`'s frequencies and attention factor (here llama.cpp's rope_freqs divisors; each rule
+    against transformers: tests/test_hf_families.py) match the reference in one pass and token by token
+    through the cache; the config stays hashable and reads back from its JSON form."""
+    scaling = RopeScaling("rope_freqs", freq_factors=(1.0, 3.0, 8.0, 0.5), attention_factor=1.2)
+    cfg = dataclasses.replace(CFG, rope_scaling=scaling)
+    logits, _ = run(cfg, params, tokens, cfg.init_cache(B, T))
+    for b in range(B):
+        np.testing.assert_allclose(logits[b], reference_logits(cfg, params, tokens[b]), **TOL)
+    assert np.abs(np.asarray(logits) - full_logits).max() > 0.1
+    cache, steps = cfg.init_cache(B, T), []
+    for s in range(S):
+        step, cache = run(cfg, params, tokens[:, s:s + 1], cache)
+        steps.append(step[:, 0])
+        cache = cache.with_lengths(cache.lengths + 1)
+    np.testing.assert_allclose(np.stack(steps, axis=1), logits, **TOL)
+    again = LlamaConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+    assert again == cfg and hash(again) == hash(cfg) and again.rope_scaling.freq_factors == scaling.freq_factors
+    with pytest.raises(ValueError, match=r"rope_freqs has 3 factors, head_dim 8 needs 4"):
+        dataclasses.replace(CFG, rope_scaling=RopeScaling("rope_freqs", freq_factors=(1.0, 2.0, 3.0)))
+    with pytest.raises(ValueError, match=r"freq_factors \(positive\) are given exactly for rope_type 'rope_freqs'"):
+        RopeScaling("linear", factor=2.0, freq_factors=(1.0, 2.0, 3.0, 4.0))
 
 
 def test_traced_once_for_any_cache_lengths(params, tokens):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import pathlib
 import re
 import subprocess
@@ -24,6 +25,7 @@ from gguf import quants
 
 from specdec_jax.models import ByteTokenizer, LoadedModel, fetch, gguf_loader, load_model, random_llama
 from specdec_jax.models.llama import Llama, LlamaConfig, param_shapes
+from specdec_jax.models.rope import RopeScaling, scaled_frequencies
 from specdec_jax.models.loading import CACHE_FORMAT, save_model_dir
 from specdec_jax.models.registry import TINY_RANDOM_DRAFT
 
@@ -96,9 +98,10 @@ def hf_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaConfig = CFG, *, arch: str = "llama",
                tied: bool = False, types: dict[str, Q] | None = None, tokenizer: str = "gpt2", pre: str = "default",
-               eot: int | None = None, eom: int | None = None) -> pathlib.Path:
+               eot: int | None = None, eom: int | None = None, rope: dict | None = None) -> pathlib.Path:
     """A llama.cpp-style GGUF of `weights` (HF row order; q/k permuted here as llama.cpp does);
-    `eot`/`eom`: end-of-turn / end-of-message token ids written beside the EOS."""
+    `eot`/`eom`: end-of-turn / end-of-message token ids written beside the EOS; `rope`: the
+    `ARCH.rope.scaling.*` keys (suffix -> str, int or float value)."""
     types = TYPES if types is None else types
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
@@ -111,6 +114,10 @@ def write_gguf(path: pathlib.Path, weights: dict[str, np.ndarray], cfg: LlamaCon
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_context_length(cfg.max_positions)
+    for key, value in (rope or {}).items():
+        add = (writer.add_string if isinstance(value, str) else writer.add_bool if isinstance(value, bool)
+               else writer.add_uint32 if isinstance(value, int) else writer.add_float32)
+        add(f"{arch}.rope.scaling.{key}", value)
     tokens = gguf_tokens()
     writer.add_tokenizer_model(tokenizer)
     writer.add_tokenizer_pre(pre)
@@ -322,6 +329,50 @@ def test_gguf_cache_entry_of_the_old_format_is_converted_again(tmp_path, cache, 
     monkeypatch.setattr(gguf_loader, "read_gguf", lambda p, **kw: calls.append(p) or real(p, **kw))
     assert load_model(str(path)).config.max_positions == 2048
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- GGUF: RoPE scaling
+
+LLAMA31_ROPE = RopeScaling("llama3", factor=8.0, original_max_positions=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def llama_cpp_rope_freqs(cfg: LlamaConfig, s: RopeScaling) -> np.ndarray:
+    """f32[D/2]: the rope_freqs tensor llama.cpp's converter writes for a llama3 rope_scaling, a divisor per
+    frequency: 1 for wavelengths under original / high_freq_factor, factor over original / low_freq_factor,
+    blended between."""
+    wavelen = 2 * math.pi * cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim)
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = 1 / ((1 - smooth) / s.factor + smooth)
+    high, low = s.original_max_positions / s.high_freq_factor, s.original_max_positions / s.low_freq_factor
+    return np.where(wavelen < high, 1.0, np.where(wavelen > low, s.factor, blended)).astype(np.float32)
+
+
+def test_gguf_llama3_rope_freqs_divide_as_the_llama3_rule(tmp_path, cache, weights, monkeypatch):
+    """A Llama 3.1 GGUF: llama.cpp's rope_freqs tensor gives the frequencies the llama3 rule of its
+    config.json gives, and survives the converted cache and a saved model folder."""
+    freqs = llama_cpp_rope_freqs(CFG, LLAMA31_ROPE)
+    assert freqs[0] == freqs[1] == 1 < freqs[2] < 8 == freqs[3]  # CFG's head (D 8, theta 5e5) has every band
+    path = write_gguf(tmp_path / "llama31.gguf", {**weights, "rope_freqs.weight": freqs})
+    loaded = load_model(str(path))
+    assert loaded.config == dataclasses.replace(CFG, rope_scaling=RopeScaling("rope_freqs", freq_factors=tuple(freqs)))
+    ours = scaled_frequencies(CFG.head_dim, CFG.rope_theta, loaded.config.rope_scaling)
+    np.testing.assert_allclose(ours, scaled_frequencies(CFG.head_dim, CFG.rope_theta, LLAMA31_ROPE), rtol=1e-6)
+    assert np.abs(ours / scaled_frequencies(CFG.head_dim, CFG.rope_theta, RopeScaling("linear")) - 1).max() > 0.5
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda *a, **kw: pytest.fail("converted again"))
+    assert load_model(str(path)).config == loaded.config
+    assert load_model(str(save_model_dir(tmp_path / "saved", loaded))).config == loaded.config  # a model folder too
+
+
+@pytest.mark.parametrize("rope, expected", [
+    ({"type": "linear", "factor": 4.0}, RopeScaling("linear", factor=4.0)),
+    ({"type": "yarn", "factor": 4.0, "original_context_length": 512, "yarn_beta_fast": 16.0, "finetuned": True},
+     RopeScaling("yarn", factor=4.0, original_max_positions=512, beta_fast=16.0, attention_factor=0.1 * math.log(4) + 1)),
+    ({"type": "none"}, None),
+], ids=["linear", "yarn", "none"])
+def test_gguf_rope_scaling_types(tmp_path, cache, weights, rope, expected):
+    """llama.cpp's linear and yarn scalings (yarn's attention factor: its default, as llama.cpp applies it)."""
+    path = write_gguf(tmp_path / "scaled.gguf", weights, rope=rope)
+    assert load_model(str(path)).config == dataclasses.replace(CFG, rope_scaling=expected)
 
 
 # ---------------------------------------------------------------- GGUF errors
@@ -570,9 +621,9 @@ def test_hf_directory_errors(tmp_path, tiny_random):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
     with pytest.raises(ValueError, match=r"model_type 'gemma' is not supported \(llama, mistral, qwen2, qwen3\)"):
         load_model(str(path))
-    refused = [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling = {'rope_type': 'yarn'"),
-               ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},  # transformers 5
-                "rope scaling = {'rope_type': 'linear'"),
+    refused = [({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope scaling = {'type': 'dynamic'"),
+               ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e6}},  # transformers 5
+                "rope scaling = {'rope_type': 'longrope'"),
                ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4}, "sliding_window = 4"),
                ({"model_type": "mistral", "sliding_window": 4, "max_position_embeddings": 64}, "sliding_window = 4"),
                ({"num_local_experts": 8}, "mixture of experts = 8"),
@@ -585,6 +636,12 @@ def test_hf_directory_errors(tmp_path, tiny_random):
                      {"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 64}):
         (path / "config.json").write_text(json.dumps({**config, **harmless}))
         assert load_model(str(path)).config.num_layers == config["num_hidden_layers"]
+    for scaled, expected in (  # the rope types this decoder computes (tests/test_hf_families.py: as transformers)
+            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+             RopeScaling("yarn", factor=4.0, original_max_positions=32, attention_factor=0.1 * math.log(4) + 1)),
+            ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, RopeScaling("linear", 2.0))):
+        (path / "config.json").write_text(json.dumps({**config, **scaled}))
+        assert load_model(str(path)).config.rope_scaling == expected
 
     (path / "config.json").write_text(json.dumps(config))
     for shard in path.glob("*.safetensors"):

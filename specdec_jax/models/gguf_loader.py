@@ -7,20 +7,23 @@ prefix (`qwen2.block_count`). `qwen2` adds the q, k, v biases
 (`blk.N.attn_q.bias` ...). llama.cpp's converter permutes the rows of attn_q /
 attn_k for its interleaved RoPE for `llama` only; they are permuted back to the
 rotate-half order used here (and by Hugging Face transformers). `qwen2` rows
-are stored in that order already.
+are stored in that order already. RoPE scaling is read as llama.cpp applies it (`gguf_rope_scaling`):
+the `rope_freqs` tensor (Llama 3.1 / 3.2), linear or yarn; anything else is refused by name.
 
-A bad file is a one-line ValueError naming it, raised before any dequantization: an empty file or
+A bad file is a one-line ValueError naming it, raised before the weights are dequantized: an empty file or
 another format (no GGUF magic), a file cut short or corrupt (its header or tensor data cannot be
 read), a missing metadata key, a missing tensor or one of another shape than the metadata implies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import numpy as np
 
 from specdec_jax.models.llama import LlamaConfig, param_shapes
+from specdec_jax.models.rope import RopeScaling, yarn_attention_factor
 
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 ARCHITECTURES = {"llama": dict(permuted_qk=True, attention_bias=False),
@@ -63,6 +66,10 @@ def read_gguf(path: str | pathlib.Path, check_metadata=None, checked=None) -> tu
             raise ValueError(f"{path}: {err}") from None
     tensors = {t.name: t for t in reader.tensors}
     config = _config(meta, arch, tied="output.weight" not in tensors, path=path)
+    try:
+        config = dataclasses.replace(config, rope_scaling=gguf_rope_scaling(meta, arch, _rope_freqs(tensors, path)))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     check_tensors(tensors, config, path)
     if checked is not None:
         checked()
@@ -178,6 +185,53 @@ def _config(meta: dict, arch: str, tied: bool, path: pathlib.Path) -> LlamaConfi
         return LlamaConfig(**sizes, tie_embeddings=tied, attention_bias=ARCHITECTURES[arch]["attention_bias"])
     except ValueError as err:  # LlamaConfig's checks (positive sizes, heads a multiple of kv heads, ...)
         raise ValueError(f"{path}: the metadata describes no valid model ({err})") from None
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp: f32[D/2] divisors of the inverse frequencies (llama3 scaling)
+# `ARCH.rope.scaling.*` keys read: the type, and per type the keys it needs (-> `RopeScaling` field) or may have.
+ROPE_SCALING_KEYS = {"linear": ({"factor": "factor"}, {}),
+                     "yarn": ({"factor": "factor", "original_context_length": "original_max_positions"},
+                              {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"})}
+ROPE_SCALING_IGNORED = ("type", "finetuned")  # finetuned: a note, no part of the computation
+
+
+def gguf_rope_scaling(meta: dict, arch: str, freq_factors: np.ndarray | None) -> RopeScaling | None:
+    """The RoPE scaling of a GGUF file as llama.cpp applies it: the `ROPE_FREQS` tensor (``freq_factors``,
+    f32[D/2]) with scaling type none, or ``ARCH.rope.scaling.type`` linear (its factor) or yarn (its
+    factor, original context length and optional betas; the attention factor yarn's default, which
+    llama.cpp applies too). A ValueError names what is not: another type, another
+    ``rope.scaling`` key (attn_factor, yarn_ext_factor, ...), or rope_freqs with a scaling type."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type") or "none"
+    if kind == "none":
+        if freq_factors is None:
+            return None
+        return RopeScaling("rope_freqs", freq_factors=tuple(float(f) for f in freq_factors))
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"{prefix}type = {kind!r} is not supported by this decoder (none, "
+                         f"{', '.join(ROPE_SCALING_KEYS)})")
+    if freq_factors is not None:
+        raise ValueError(f"tensor {ROPE_FREQS} together with {prefix}type = {kind!r} is not supported by this decoder")
+    needed, optional = ROPE_SCALING_KEYS[kind]
+    present = {key[len(prefix):] for key in meta if key.startswith(prefix)}
+    other = sorted(present - set(needed) - set(optional) - set(ROPE_SCALING_IGNORED))
+    if other:
+        raise ValueError(f"{prefix}{other[0]} is not supported by this decoder (rope scaling {kind!r})")
+    fields = {}
+    for key, field in {**needed, **optional}.items():
+        if meta.get(prefix + key) is None:
+            if key in needed:
+                raise ValueError(f"metadata key {prefix}{key} is missing: rope scaling {kind!r} needs it")
+            continue
+        fields[field] = int(meta[prefix + key]) if field == "original_max_positions" else float(meta[prefix + key])
+    if kind == "yarn":
+        fields["attention_factor"] = yarn_attention_factor(fields["factor"], None, None)
+    return RopeScaling(kind, **fields)
+
+
+def _rope_freqs(tensors: dict, path: pathlib.Path) -> np.ndarray | None:
+    """f32[n] of the `ROPE_FREQS` tensor, or None when the file has none."""
+    return _dequantize(tensors[ROPE_FREQS], path).reshape(-1) if ROPE_FREQS in tensors else None
 
 
 def _dequantize(tensor, path) -> np.ndarray:

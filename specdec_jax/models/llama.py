@@ -1,4 +1,5 @@
-"""The decoder of the Llama family (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU),
+"""The decoder of the Llama family (RMSNorm, rotate-half RoPE with the frequency scalings of
+`models.rope`, grouped-query attention, SwiGLU),
 with the differences of Qwen2 and Qwen3 declared in :class:`LlamaConfig` rather than copied:
 ``attention_bias`` (Qwen2: biases on the q, k and v projections) and ``qk_norm`` (Qwen3: an
 RMSNorm over each head of q and of k, before RoPE). Mistral without a sliding window is a
@@ -33,14 +34,10 @@ use the rotate-half RoPE order), and :func:`linear` computes ``x @ w.T``::
     k_norm      [L, D]          layers.*.self_attn.k_norm.weight
 
 Why ``[out, in]`` (the head too): XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
-about the cost of one matrix-vector product, where ``x @ w [in, out]`` cost
-2-2.5x a 1-row product from 2 rows on (this project's 2-core CPU, SmolLM2-135M's
-30 layers alone: batch 1, 3 / 5 tokens 61 / 76 -> 42 / 57 ms; batch 4, 1 token
-75 -> 56 ms; batch 16, 1 token 156 -> 102 ms). Weights saved in the earlier
-``[in, out]`` layout (folders without ``"layout": "out_in"``) are transposed on
-load (:func:`from_saved_layout`); so is the head of folders saved with ``lm_head [H, V]``
-(``"layout": "out_in"``). Stored ``[H, V]``, the head of Qwen2.5-1.5B (a third of its weights) made a
-5-token verify pass cost 2.04 one-token passes instead of about 1.2.
+about the cost of one matrix-vector product, where ``x @ w [in, out]`` costs a multiple of it from
+2 rows on; the head matters most, a large vocabulary making it a large share of the weights. Model
+and head folders that record an older layout are converted on load (:func:`from_saved_layout`,
+:func:`from_in_out_layout`): folders users trained and saved keep loading.
 
 A draft with a reduced output vocabulary (``output_vocab_size = Vo < V``, for a
 cheap head) has ``lm_head [Vo, H]`` and ``vocab_map i32[Vo]``: logit ``j`` is
@@ -48,7 +45,7 @@ token ``vocab_map[j]``. Its input embedding keeps all ``V`` rows.
 
 :meth:`Llama.params` hands the layer weights out as tuples of ``L`` separate
 arrays (``params["wq"][i]: [N*D, H]``), not stacked: XLA CPU copies a slice of a
-stacked array before every matmul, which tripled the cost of a decode step.
+stacked array before every matmul, a copy of every weight per decode step.
 :func:`forward` accepts either form (it indexes ``params[name][i]``).
 
 Cache semantics (docs/design.md sections 3 and 9): :func:`apply` is the target pass of
@@ -79,6 +76,7 @@ import numpy as np
 from flax import nnx
 
 from specdec_jax.kv_cache import KVBlock, KVCache
+from specdec_jax.models.rope import RopeScaling, apply_rope, rope_tables
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, chain_positions
 
@@ -117,8 +115,11 @@ class LlamaConfig:
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     dtype: str = "float32"  # of the weights, the residual stream and the KV cache (one of DTYPES)
+    rope_scaling: RopeScaling | None = None  # scaled RoPE frequencies (`models.rope`); None: theta's own
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, Mapping):  # a config read back from JSON (dataclasses.asdict)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -135,6 +136,9 @@ class LlamaConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("rope_theta and rms_norm_eps must be positive")
+        factors = self.rope_scaling.freq_factors if self.rope_scaling is not None else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(factors)} factors, head_dim {self.head_dim} needs {self.head_dim // 2}")
         if self.output_vocab_size is not None:
             if not 0 < self.output_vocab_size <= self.vocab_size:
                 raise ValueError(f"output_vocab_size must be in [1, {self.vocab_size}], got {self.output_vocab_size}")
@@ -200,11 +204,11 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
         if name == "vocab_map":  # the first output_vocab_size ids
             params[name] = np.arange(shape[0], dtype=np.int32)
             continue
-        if name in LAYER_MATRICES:  # drawn [in, out], as before the layout changed: the same random models
+        if name in LAYER_MATRICES:  # drawn [in, out], then transposed: the draws define the random models
             drawn = 1.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape[:-2] + (shape[-1], shape[-2]))
             params[name] = np.ascontiguousarray(np.swapaxes(drawn.astype(np.float32), -1, -2))
             continue
-        if name == "lm_head":  # drawn [H, V], as before the layout changed
+        if name == "lm_head":  # drawn [H, V], then transposed (as the layer matrices)
             params[name] = np.ascontiguousarray((embed_std * rng.standard_normal(shape[::-1])).astype(np.float32).T)
             continue
         params[name] = (embed_std * rng.standard_normal(shape)).astype(np.float32)  # embed
@@ -212,15 +216,16 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
 
 
 def from_in_out_layout(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``arrays`` saved in the layout before ``[out, in]`` (layer matrices ``[L, in, out]``), in
-    today's layout."""
+    """``arrays`` with layer matrices ``[L, in, out]`` (folders that record no layout), in `MODEL_LAYOUT`'s
+    ``[L, out, in]``."""
     return {name: np.ascontiguousarray(np.swapaxes(a, -1, -2)) if name in LAYER_MATRICES else a
             for name, a in arrays.items()}
 
 
 def from_saved_layout(arrays: Mapping[str, np.ndarray], layout: str | None) -> dict[str, np.ndarray]:
-    """Model ``arrays`` saved under ``layout`` (a folder's ``"layout"``), in today's `MODEL_LAYOUT`:
-    None (layer matrices ``[L, in, out]``, head ``[H, V]``) and `LAYOUT` (head ``[H, V]``) are converted."""
+    """Model ``arrays`` saved under ``layout`` (a folder's ``"layout"``), in `MODEL_LAYOUT`: None (layer
+    matrices ``[L, in, out]``, head ``[H, V]``) and `LAYOUT` (head ``[H, V]``) are converted, so that
+    folders saved under them (trained drafts on users' disks) load."""
     if layout == MODEL_LAYOUT:
         return dict(arrays)
     if layout not in (None, LAYOUT):
@@ -234,8 +239,7 @@ def from_saved_layout(arrays: Mapping[str, np.ndarray], layout: str | None) -> d
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [..., in] @ w.T`` for ``w [out, in]``, computed as ``w . x`` (``[out, ...]``, x's axes kept)
     and transposed back: the form XLA CPU runs at matrix-vector speed for a few rows (module
-    docstring). Flattening x's rows first ([out, B*S]) was slower here (30 layers, batch 1, 3
-    tokens: 45 vs 31 ms; batch 4, 1 token: 44-56 vs 29-34 ms)."""
+    docstring); flattening x's rows first ([out, B*S]) runs slower on it."""
     return jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x), 0, -1)
 
 
@@ -244,21 +248,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """``positions: i32[B,S]`` -> ``(cos, sin): f32[B,S,1,D]`` in rotate-half order."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # f32[B,S,D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates ``x: [B,S,heads,D]`` as HF ``apply_rotary_pos_emb`` (rotate_half)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * cos + rotated * sin).astype(x.dtype)
 
 
 def visibility(lengths: jax.Array, steps: int, slots: int, block_mask: jax.Array | None) -> jax.Array:
@@ -363,7 +352,7 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
     Also the body of a one-layer drafter head that feeds its own inputs (EAGLE).
     """
     batch, steps = x.shape[:2]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     if visible is not None and (defer_writes or block_mask is not None):
         raise ValueError("visible replaces block_mask, on the written path only")
     if defer_writes:  # committed slots from the cache, the block's own tokens from the block

@@ -21,12 +21,14 @@ from specdec_jax.models.fetch import model_gguf, sha256_of
 from specdec_jax.models.llama import (MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout,
                                       param_shapes)
 from specdec_jax.models.loaded import LoadedModel
+from specdec_jax.models.rope import HF_ROPE_TYPES, hf_rope_scaling, hf_rope_type
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
 
 TOKENIZER_KEYS = ("tokenizer.", "general.architecture")
-# Layout version of a converted-cache entry, part of its folder name: an entry of another version is
-# converted again (the file layout of `_cached`, the array layout of `models.llama.MODEL_LAYOUT`).
-CACHE_FORMAT = "v5"
+# Version of a converted-cache entry, part of its folder name: an entry of another version is converted
+# again. It changes whenever a conversion would write something else: the file layout of `_cached`, the
+# array layout of `models.llama.MODEL_LAYOUT`, or what `LlamaConfig` reads from a GGUF (RoPE scaling).
+CACHE_FORMAT = "v6"
 MODEL_DIR_MARKER = "specdec_model.json"  # config + tokenizer kind + free-form info; written last
 HF_LAYER_WEIGHTS = {  # our name -> HF name inside model.layers.{i}. of every family (matrices as they are: [out, in])
     "attn_norm": "input_layernorm.weight",
@@ -237,9 +239,9 @@ def _check_sizes(hf: dict, where: str) -> None:
 
 def hf_config(hf: dict, where: str) -> LlamaConfig:
     """The `LlamaConfig` of a Hugging Face config.json (``hf``), or a one-line ValueError naming
-    ``where`` and the missing or bad size (`HF_SIZES`), or the option this decoder does not implement
-    (another family, rope scaling, a sliding window, experts, another activation, MLP biases): never a
-    silently different model."""
+    ``where`` and the missing or bad size (`HF_SIZES`) or rope parameter (`models.rope.hf_rope_scaling`),
+    or the option this decoder does not implement (another family, a rope type not in `HF_ROPE_TYPES`,
+    a sliding window, experts, another activation, MLP biases): never a silently different model."""
     family = hf.get("model_type")
     if family not in HF_FAMILIES:
         raise ValueError(f"{where}: model_type {family!r} is not supported ({', '.join(HF_FAMILIES)})")
@@ -247,7 +249,7 @@ def hf_config(hf: dict, where: str) -> LlamaConfig:
     rope = _rope(hf)
     experts = next((hf[key] for key in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(key)), None)
     refused = [  # (option, its value, whether the model uses it)
-        ("rope scaling", rope, (rope.get("rope_type") or rope.get("type")) not in (None, "default")),
+        ("rope scaling", {k: v for k, v in rope.items() if k != "rope_theta"}, hf_rope_type(rope) not in HF_ROPE_TYPES),
         ("sliding_window", hf.get("sliding_window"), _sliding_window(hf)),
         ("mixture of experts", experts, experts is not None),
         ("hidden_act", hf.get("hidden_act"), hf.get("hidden_act", "silu") != "silu"),
@@ -273,8 +275,9 @@ def hf_config(hf: dict, where: str) -> LlamaConfig:
             max_positions=hf.get("max_position_embeddings"),
             attention_bias=bias or bool(hf.get("attention_bias", False)),
             qk_norm=qk_norm,
+            rope_scaling=hf_rope_scaling(rope, hf),
         )
-    except (ValueError, TypeError) as err:  # LlamaConfig's checks (heads a multiple of kv heads, ...), floats
+    except (ValueError, TypeError) as err:  # LlamaConfig's and the rope parameters' checks, floats
         raise ValueError(f"{where}: {err}") from None
 
 
