@@ -37,7 +37,7 @@ import pathlib
 from common import RESULTS, cached_draft_model, category_bars, prompts_file, pyplot, recipe_questions, write_json
 
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import DrafterSettings, run_config
 
 
 def shape_of(text: str) -> int | str:
@@ -62,7 +62,7 @@ def run_name(config: dict) -> tuple[str, str]:
         tree = f"x{config['tree_depth']}x{config['tree_topk']}"
     else:
         shape, tree = str(config["gamma"]), ""
-    suffix = "" if config.get("ngram_min", RunConfig.ngram_min) == RunConfig.ngram_min else f"_min{config['ngram_min']}"
+    suffix = "" if config.get("ngram_min", DrafterSettings.ngram_min) == DrafterSettings.ngram_min else f"_min{config['ngram_min']}"
     column = shape + (f" min{config['ngram_min']}" if suffix else "")
     return f"{config['drafter']}_b{config['batch_size']}_g{shape}{tree}{suffix}", column
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     with prompts_file(recipe_questions("heldout", max_prompt_tokens=args.max_prompt_tokens)) as prompts:
         for batch in args.batch_sizes:
             for shape in args.shapes:
-                cfg = RunConfig(drafter=args.drafter, draft_model=draft_model, batch_size=batch,
+                cfg = run_config(drafter=args.drafter, draft_model=draft_model, batch_size=batch,
                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
                                 **({} if args.ngram_min is None else {"ngram_min": args.ngram_min}),
                                 **shape_fields(shape, args.tree_depth, args.tree_topk))

@@ -20,7 +20,7 @@ import pathlib
 from common import RESULTS, prompts_file, pyplot, save
 
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.data import spec_bench_questions
 
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     records = []
     with prompts_file(chosen) as prompts:  # Spec-Bench text is read at run time, never written to the repository
         for batch in args.batches:
-            cfg = RunConfig(model=args.model, drafter="ngram", gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+            cfg = run_config(model=args.model, drafter="ngram", gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                             batch_size=batch, prompts_file=str(prompts))
             overall = bench(cfg, repeats=args.repeats)["overall"]
             records.append({"batch": batch, **overall})

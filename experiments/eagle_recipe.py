@@ -37,7 +37,7 @@ from common import (HEAD_CONFIGS, OPEN_ENDED, RESULTS, STANDALONE_DRAFT, categor
                     prompts_file, pyplot, recipe_questions, run_folder, save, standalone_draft, write_json)
 
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import RunConfig, run_config
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             sampled = args.sampled_drafters or [d for d in args.drafters if d in HEAD_CONFIGS]
             for drafter in args.drafters if temperature == 0 else sampled:
-                cfg = RunConfig(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,
+                cfg = run_config(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,
                                 gamma=gammas[drafter], temperature=temperature, max_new_tokens=args.max_new_tokens,
                                 prompts_file=str(prompts))
                 name = f"{drafter}_t{temperature:g}"

@@ -57,7 +57,7 @@ def records() -> list[dict]:
 def run_setup(name: str, args) -> dict:
     """{"free": bench report, "<schema>": bench report under that schema}."""
     from specdec_jax.bench import bench
-    from specdec_jax.config import RunConfig
+    from specdec_jax.config import run_config
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,13 +67,13 @@ def run_setup(name: str, args) -> dict:
         if setup["drafter"] == "eagle":
             setup["draft_model"] = cached_draft_model("eagle")
         base = dict(setup, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts), gamma="auto")
-        out["free"] = bench(RunConfig(**base), repeats=args.repeats)
+        out["free"] = bench(run_config(**base), repeats=args.repeats)
         for schema, body in SCHEMAS.items():
             path = pathlib.Path(tmp) / "schema.json"
             path.write_text(json.dumps(body))
             only = pathlib.Path(tmp) / "only.jsonl"
             only.write_text("\n".join(json.dumps(r) for r in records() if r["category"] == schema))
-            out[schema] = bench(RunConfig(**{**base, "prompts_file": str(only), "json_schema": str(path)}),
+            out[schema] = bench(run_config(**{**base, "prompts_file": str(only), "json_schema": str(path)}),
                                 repeats=args.repeats)
     return out
 

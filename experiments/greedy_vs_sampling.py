@@ -22,7 +22,7 @@ import sys
 
 from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 
 TEMPERATURES = [0.0, 0.7, 1.0]
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     rows, records = [], []
     with spec_bench_subset(args.per_category) as prompts_file:
         for temperature in TEMPERATURES:
-            cfg = RunConfig(model=args.model, drafter="ngram", gamma=args.gamma, temperature=temperature,
+            cfg = run_config(model=args.model, drafter="ngram", gamma=args.gamma, temperature=temperature,
                             max_new_tokens=args.max_new_tokens, prompts_file=str(prompts_file))
             overall = bench(cfg, repeats=args.repeats)["overall"]
             rows.append([temperature, overall["prompts"], overall["acceptance_rate"], overall["tokens_per_round"],

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from common import RESULTS, cached_draft_model, markdown_table, prompt_record, recipe_questions, save
 
 from specdec_jax import engine
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.engine import AUTO_GAMMAS, run_loop
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter, encode, stop_ids
@@ -44,16 +44,16 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-model", default=None, help="default: the recipe's head or draft in the cache")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "loop_timing")
     args = parser.parse_args(argv)
-    cfg = RunConfig(max_new_tokens=128, drafter=args.drafter,
+    cfg = run_config(max_new_tokens=128, drafter=args.drafter,
                     draft_model=args.draft_model or cached_draft_model(args.drafter))
     target = load_model(cfg.model)
     tok, drafter = target.tokenizer, build_drafter(cfg, target)
     records = [prompt_record(q) for q in recipe_questions("heldout", 2, max_prompt_tokens=1024, tokenizer=tok)]
-    prompts = [encode(tok, r["prompt"], cfg.raw) for r in records[: args.batch_size]]
-    capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, max(AUTO_GAMMAS))
+    prompts = [encode(tok, r["prompt"], cfg.inputs.raw) for r in records[: args.batch_size]]
+    capacity = engine.default_capacity(max(map(len, prompts)), cfg.inputs.max_new_tokens, max(AUTO_GAMMAS))
 
     def program(drafter=None, gamma=None, policy=None):
-        return engine.prepare(target, prompts, drafter, gamma=gamma, policy=policy, max_new_tokens=cfg.max_new_tokens,
+        return engine.prepare(target, prompts, drafter, gamma=gamma, policy=policy, max_new_tokens=cfg.inputs.max_new_tokens,
                               stop_ids=stop_ids(cfg, tok), capacity=capacity)
 
     runs = {"plain": program(gamma=0), "auto": program(drafter)}

@@ -29,7 +29,7 @@ import numpy as np
 from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
 from specdec_jax.audit import chi_square, continuation_codes, noisy_copy, sequence_law
 from specdec_jax.compare import compare_rows
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import generate
 from specdec_jax.models import LlamaConfig, load_model, random_llama
@@ -45,8 +45,8 @@ def greedy_audit(args) -> tuple[list, dict]:
     target = load_model(args.model)
     with spec_bench_subset(args.per_category) as prompts_file:
         base = dict(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=8, prompts_file=str(prompts_file))
-        plain = run(RunConfig(drafter="none", **base), target=target)["results"]
-        spec = run(RunConfig(drafter="ngram", gamma=4, **base), target=target)["results"]
+        plain = run(run_config(drafter="none", **base), target=target)["results"]
+        spec = run(run_config(drafter="ngram", gamma=4, **base), target=target)["results"]
     exact, comparisons = compare_rows(target.config, target.model.params(), [r["prompt_tokens"] for r in plain],
                                       [r["tokens"] for r in plain], [r["tokens"] for r in spec])
     divergences = [[r["id"], r.get("category", "-"), c.index, c.margin, c.ok]

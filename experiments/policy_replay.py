@@ -41,7 +41,7 @@ from common import RESULTS, markdown_table, prompt_record, recipe_questions, sav
 from tqdm import tqdm
 
 from specdec_jax import engine
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.drafters.base import DraftContext
 from specdec_jax.engine import ShapePolicy, shape
 from specdec_jax.models import load_model
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "policy_replay")
     args = parser.parse_args(argv)
-    cfg = RunConfig(max_new_tokens=args.max_new_tokens)
+    cfg = run_config(max_new_tokens=args.max_new_tokens)
     target = load_model(cfg.model)
     tok = target.tokenizer
     drafter = build_drafter(cfg, target)
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
                         for b in json.loads(args.bench.read_text())["batches"]}
     gamma, tables, lengths = max(engine.AUTO_GAMMAS), {}, {}
     for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
-        p = encode(tok, r["prompt"], cfg.raw)
-        out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.max_new_tokens,
+        p = encode(tok, r["prompt"], cfg.inputs.raw)
+        out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
                               stop_ids=stop_ids(cfg, tok)).tokens[0]
         tables[r["id"]], lengths[r["id"]] = proposals(drafter, p + out, len(p), gamma), len(p)
     for batch_size in args.batch_sizes:
@@ -165,10 +165,10 @@ def main(argv=None) -> int:
             per_batch = []
             for chunk in batches:
                 size = 1 << (len(chunk) - 1).bit_length()
-                capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.max_new_tokens, gamma)
+                capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.inputs.max_new_tokens, gamma)
                 costs = engine.calibrated_costs(target, drafter, size, capacity)
                 cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
-                                      cfg.max_new_tokens, size)
+                                      cfg.inputs.max_new_tokens, size)
                 longest = max(len(tables[r["id"]][0]) for r in chunk)
                 per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk),
                                   "plain_rounds": longest, "cost": cost, "speedup": longest / cost, "widths": widths,

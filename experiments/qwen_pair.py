@@ -180,10 +180,10 @@ def run_speed(args) -> dict:
     """`specdec_jax.bench` at --gamma auto on the held-out questions of at most `--max-prompt-tokens` tokens (each
     prompt bucket is another KV capacity to calibrate and compile for: longer prompts would add several minutes)."""
     from specdec_jax.bench import bench
-    from specdec_jax.config import RunConfig
+    from specdec_jax.config import run_config
 
     with prompts_file(questions(args, args.max_prompt_tokens)) as path:
-        cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto",
+        cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto",
                         max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
         return bench(cfg, repeats=args.repeats)
 
@@ -197,7 +197,7 @@ def run_variants(args) -> dict:
     weights' dtype, the draft's output vocabulary): what each does to the draft step, the verify pass and the
     speedup. {"variants": [{"dtype", "draft_vocab", "report"}]}."""
     from specdec_jax.bench import bench
-    from specdec_jax.config import RunConfig
+    from specdec_jax.config import run_config
     from specdec_jax.runner import drop_compiled_programs
 
     coding = [q for q in questions(args, args.max_prompt_tokens) if q["category"] == "coding"]
@@ -205,7 +205,7 @@ def run_variants(args) -> dict:
     out = json.loads(saved.read_text())["variants"] if saved.is_file() else []
     with prompts_file(coding) as path:
         for variant in [VARIANTS[i] for i in args.variants]:
-            cfg = RunConfig(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=3, **variant,
+            cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=3, **variant,
                             max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
             out = [v for v in out if (v["dtype"], v["draft_vocab"]) != (variant["dtype"], variant["draft_vocab"])]
             out.append({**variant, "report": bench(cfg, repeats=args.repeats)})

@@ -38,7 +38,7 @@ from common import RESULTS, category_bars, first_per_category, prompts_file, pyp
 from tree_shapes import timed, tokens_only
 
 from specdec_jax import engine
-from specdec_jax.config import RunConfig
+from specdec_jax.config import RunConfig, run_config
 from specdec_jax.datastore import OUTPUTS, load_datastore
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    target = load_model(RunConfig().model)
+    target = load_model(run_config().model)
     store = load_datastore(args.datastore, target.tokenizer)
     summary["datastore"] = {**store.meta, "MiB": store.nbytes / 2**20}
-    base = RunConfig(max_new_tokens=args.max_new_tokens)
+    base = run_config(max_new_tokens=args.max_new_tokens)
     datastore = tuple(args.datastore)
     if args.outputs_pass:
         summary["outputs_pass"] = outputs_pass(base, datastore, args.per_category, args.out)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         print(outputs_table(summary))
         return 0
     if "lookup_cost" not in summary:  # timed once per --out folder (later runs may add temperatures)
-        summary["lookup_cost"] = {name: lookup_cost(dataclasses.replace(base, **_fields(fields, datastore)), target)
+        summary["lookup_cost"] = {name: lookup_cost(base.updated(**_fields(fields, datastore)), target)
                                   for name, fields in RUNS.items() if "alone" not in fields}
         write_json(summary_path, summary)
     with prompts_file(recipe_questions("heldout")) as prompts:  # Spec-Bench text is read at run time, never committed
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
             for name, fields in (RUNS if args.tokens_only else TIMED).items():
                 if args.runs and name not in args.runs:
                     continue
-                cfg = dataclasses.replace(base, prompts_file=str(prompts), temperature=temperature, **_fields(fields, datastore))
+                cfg = base.updated(prompts_file=str(prompts), temperature=temperature, **_fields(fields, datastore))
                 key = f"{name} T={temperature:g}"
                 if fields.get("alone"):
                     summary[key] = _alone(cfg, args.per_category)
@@ -140,12 +140,12 @@ def outputs_pass(base: RunConfig, datastore: tuple[str, ...], per_category: int,
     results, rows = {}, {}
     with prompts_file(first) as path_1, prompts_file(second) as path_2:
         for name, fields in OUTPUTS_RUNS.items():
-            cfg = dataclasses.replace(base, **_fields(fields, datastore))
+            cfg = base.updated(**_fields(fields, datastore))
             drafter = build_drafter(cfg, load_model(cfg.model))
             passes = [("pass 1", path_1), ("pass 2", path_2)] if fields.get("outputs") else [("pass 2", path_2)]
             for label, path in passes:
                 rows[label] = []
-                results.setdefault(name, {})[label] = tokens_only(dataclasses.replace(cfg, prompts_file=str(path)),
+                results.setdefault(name, {})[label] = tokens_only(cfg.updated(prompts_file=str(path)),
                                                                   len(held), drafter, rows[label])
     write_json(out / "outputs.json", {label: [{k: r[k] for k in ("id", "category", "prompt_tokens", "tokens")}
                                               for r in rs] for label, rs in rows.items()})

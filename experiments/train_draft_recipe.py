@@ -30,7 +30,7 @@ from common import (DRAFT_CONFIG, OPEN_ENDED, RESULTS, STANDALONE_DRAFT, markdow
                     recipe_questions, save, write_json)
 
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.train import train_draft
 from specdec_jax.cache import cache_dir
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     reports = {}
     with prompts_file(recipe_questions("heldout", categories=list(OPEN_ENDED), config=str(args.config))) as prompts:
         for temperature in args.temperatures:
-            cfg = RunConfig(model=tc.target, drafter="draft-model", draft_model=str(draft), gamma=args.gamma,
+            cfg = run_config(model=tc.target, drafter="draft-model", draft_model=str(draft), gamma=args.gamma,
                             temperature=temperature, max_new_tokens=args.max_new_tokens, prompts_file=str(prompts))
             reports[temperature] = bench(cfg, repeats=1, per_category=args.per_category)
             write_json(args.out / f"bench_t{temperature:g}.json", reports[temperature])

@@ -43,7 +43,7 @@ from common import RESULTS, cached_draft_model, category_bars, prompts_file, pyp
 
 from specdec_jax import engine
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import DrafterSettings, RunConfig, run_config
 from specdec_jax.engine.calibration import time_target_pass
 from specdec_jax.models import load_model
 from specdec_jax.runner import drop_compiled_programs, prompt_records, run
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 3, 5, 9, 13, 17, 33])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
-    parser.add_argument("--ngram-min", type=int, default=RunConfig.ngram_min, help="shortest n-gram the lookup tries")
+    parser.add_argument("--ngram-min", type=int, default=DrafterSettings.ngram_min, help="shortest n-gram the lookup tries")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "tree_shapes")
     args = parser.parse_args(argv)
     if args.tree_choices is not None and "medusa" not in args.drafter:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    curve = verify_cost_curve(RunConfig().model, args.widths)
+    curve = verify_cost_curve(run_config().model, args.widths)
     summary["verify_cost"] = {str(w): t / curve[1] for w, t in curve.items()}
     summary["T1_ms"] = 1000 * curve[1]
     # Spec-Bench text is read at run time, never committed
@@ -103,10 +103,10 @@ def main(argv=None) -> int:
             if drafter == "medusa" and args.tree_choices is not None:
                 mine[f"c{args.tree_choices.stem}"] = {"tree_choices": str(args.tree_choices)}
             for shape, fields in mine.items():
-                cfg = RunConfig(drafter=drafter, draft_model=draft_models[drafter],
+                cfg = run_config(drafter=drafter, draft_model=draft_models[drafter],
                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
                                 ngram_min=args.ngram_min, **fields)
-                name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != RunConfig.ngram_min
+                name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != DrafterSettings.ngram_min
                                                else "")
                 summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
                                  else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))

@@ -32,7 +32,7 @@ import sys
 
 from common import RESULTS, markdown_table, pyplot, save, spec_bench_subset
 from specdec_jax.bench import bench
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.theory import expected_tokens_per_round
 
 GAMMAS = [1, 2, 4, 8]
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     with spec_bench_subset(args.per_category) as prompts_file:
         for name, drafter in DRAFTERS.items():
             for gamma in GAMMAS:
-                cfg = RunConfig(model=args.model, gamma=gamma, max_new_tokens=args.max_new_tokens,
+                cfg = run_config(model=args.model, gamma=gamma, max_new_tokens=args.max_new_tokens,
                                 prompts_file=str(prompts_file), **drafter)
                 overall = bench(cfg, repeats=args.repeats)["overall"]
                 alpha, c = overall["per_position_acceptance"][0], overall["Td_ms"] / overall["T1_ms"]

@@ -44,11 +44,11 @@ plain decoding: parameter bytes per token / bandwidth.
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +57,13 @@ from tqdm import tqdm
 
 from specdec_jax import engine
 from specdec_jax.compare import compare_rows
-from specdec_jax.config import RunConfig
+from specdec_jax.config import RunConfig, run_config
 from specdec_jax.datastore import OUTPUTS
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
 from specdec_jax.models import load_model
+from specdec_jax.drafters.table import drafter_spec
 from specdec_jax.runner import (build_drafter, constraint_tables, drop_compiled_programs, encode, format_rate,
-                                one_device_only, prompt_records, sampling_params, shape_label, stop_ids)
+                                one_device_only, prompt_records, shape_label, stop_ids)
 
 
 def median_time(fn, repeats: int = 7) -> float:
@@ -101,16 +102,27 @@ def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capa
         verify = [c * costs["T1"] for c in policy.verify_cost]
         draft = [c * costs["T1"] for c in policy.draft_cost]
         draft = [draft[-1]] * len(draft) if policy.free_drafts else draft
-        plain = engine.prepare(target, prompts, None, gamma=0, max_new_tokens=cfg.max_new_tokens, capacity=capacity)
+        plain = engine.prepare(target, prompts, None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
+                               capacity=capacity)
         return {"T1": time_target_pass(plain, 1), "Tv": verify[-1], "Td": draft[-1] / policy.max_gamma,
                 "verify_widths": [g + 1 for g in policy.gammas], "T_by_width": verify, "D_by_width": draft}
-    run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=sampling_params(cfg),
-                         max_new_tokens=cfg.max_new_tokens, capacity=capacity)
+    run = engine.prepare(target, prompts, drafter, gamma=gamma, sampling=cfg.sampling,
+                         max_new_tokens=cfg.inputs.max_new_tokens, capacity=capacity)
     widths = run.spec.verify_widths
     by_width = {w: time_target_pass(run, w) for w in widths}
     td = time_draft_step(run) / gamma if gamma and drafter is not None else 0.0
     return {"T1": by_width[1], "Tv": by_width[gamma + 1], "Td": td, "verify_widths": list(widths),
             "T_by_width": [by_width[w] for w in widths], "D_by_width": [gamma * td] * len(widths)}
+
+
+class Setup(NamedTuple):
+    """What every batch of a bench shares."""
+
+    cfg: RunConfig
+    target: Any  # models.LoadedModel
+    drafter: Any  # the config's drafter (drafters.base.Drafter)
+    stops: tuple[int, ...]  # token ids that end a row
+    grammar: Any  # the compiled constraint, or None
 
 
 def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, progress: bool = True,
@@ -124,22 +136,7 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
     prompt-lookup decoding with prompt_lookup_num_tokens = gamma, or assisted generation with the same draft
     model) on the same checkpoints and prompts, right after ours on each prompt (batch size 1).
     """
-    one_device_only(cfg, "bench")
-    if cfg.effective_gamma == 0:
-        raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
-    if OUTPUTS in cfg.datastore:
-        raise ValueError("bench runs each prompt several times, so an outputs datastore would draft a prompt from "
-                         "its own earlier output: bench a fixed datastore (experiments/retrieval.py --outputs-pass "
-                         "measures the outputs one on other prompts)")
-    if peer not in (None, "hf"):
-        raise ValueError(f"unknown peer {peer!r} (choices: hf)")
-    if peer and cfg.batch_size != 1:
-        raise ValueError("--peer hf compares single prompts: use --batch-size 1")
-    if peer and cfg.temperature != 0:
-        raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
-    if peer and sampling_params(cfg).has_penalties:
-        raise ValueError("--peer hf decodes without penalties: leave the repetition, presence and frequency "
-                         "penalties off")
+    check_bench(cfg, peer)
     drop_compiled_programs()
     target = load_model(cfg.model, dtype=cfg.dtype)
     hf = None
@@ -147,61 +144,98 @@ def bench(cfg: RunConfig, repeats: int = 3, per_category: int | None = None, pro
         from specdec_jax.peer_hf import HFPeer
 
         hf = HFPeer(cfg.model, cfg.draft_model if peer_mode(cfg) == "assisted" else None)
-    drafter = build_drafter(cfg, target)
-    records = _subsample(prompt_records(cfg), per_category)
     tok = target.tokenizer
-    stops, grammar = stop_ids(cfg, tok), constraint_tables(cfg, tok)
-    gamma = cfg.effective_gamma  # a tree's node count
+    setup = Setup(cfg, target, build_drafter(cfg, target), stop_ids(cfg, tok), constraint_tables(cfg, tok))
+    records = _subsample(prompt_records(cfg), per_category)
     bandwidth = memory_bandwidth()
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(target.model.params()))
     rows = []
-    batches = [records[i : i + cfg.batch_size] for i in range(0, len(records), cfg.batch_size)]
+    size = cfg.inputs.batch_size
+    batches = [records[i : i + size] for i in range(0, len(records), size)]
     for chunk in tqdm(batches, desc="bench batches", unit="batch", disable=not progress,
                       delay=0.5):  # no bar before an error in the first batch
-        prompts = [encode(tok, r["prompt"], cfg.raw) for r in chunk]
-        capacity = engine.default_capacity(max(map(len, prompts)), cfg.max_new_tokens, cfg.widest_gamma)
-
-        def run(g, max_new):
-            return engine.generate(
-                target, prompts, drafter if g else None, gamma=g, sampling=sampling_params(cfg),
-                max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity, grammars=grammar,
-            )
-
-        first = 1 if grammar is None else max(1, grammar.shortest_match)  # a budget the constraint fits
-        compile_s = {g: run(g, first).wall_s for g in (0, gamma)}
-        walls, decodes, results = {0: [], gamma: []}, {0: [], gamma: []}, {}
-        for _ in range(repeats):
-            for g in (0, gamma):
-                results[g] = run(g, cfg.max_new_tokens)
-                walls[g].append(results[g].wall_s)
-                decodes[g].append(results[g].decode_s)
-        plain, spec = results[0], results[gamma]
-        costs = cost_model(target, drafter, gamma, prompts, capacity, cfg)
-        exact, comparisons = (
-            compare_rows(target.config, target.model.params(), prompts, plain.tokens, spec.tokens)
-            if cfg.temperature == 0 else (None, [None] * len(chunk))
-        )
-        row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
-        row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens)  # for replays
+        row = bench_batch(setup, chunk, repeats)
         if hf is not None:
-            hf_eos = None if cfg.ignore_eos else tok.eos_id  # the peer stops at its own EOS only, not at --stop-id
-            row["hf"] = {mode: hf.time_decode(prompts[0], cfg.max_new_tokens, hf_eos, lookup, repeats, assisted)
-                         for mode, lookup, assisted in (("greedy", 0, False), (peer_mode(cfg), cfg.widest_gamma
-                                                        if peer_mode(cfg) == "lookup" else 0, peer_mode(cfg) == "assisted"))}
-            for result in row["hf"].values():
-                tokens = result.pop("tokens")
-                result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
-                result["same_as_plain"] = tokens == plain.tokens[0]
+            row["hf"] = time_peer(hf, setup, row, repeats)
         rows.append(row)
         if on_batch is not None and len(rows) < len(batches):
             on_batch(_report(cfg, rows, bandwidth, param_bytes, repeats, complete=False))
     return _report(cfg, rows, bandwidth, param_bytes, repeats, complete=True)
 
 
+def check_bench(cfg: RunConfig, peer: str | None) -> None:
+    """ValueError unless bench can run the config (and the peer, "hf" or None)."""
+    one_device_only(cfg, "bench")
+    if cfg.effective_gamma == 0:
+        raise ValueError("bench compares a drafter against plain decoding: choose a drafter and gamma >= 1")
+    if OUTPUTS in cfg.drafting.datastore:
+        raise ValueError("bench runs each prompt several times, so an outputs datastore would draft a prompt from "
+                         "its own earlier output: bench a fixed datastore (experiments/retrieval.py --outputs-pass "
+                         "measures the outputs one on other prompts)")
+    if peer not in (None, "hf"):
+        raise ValueError(f"unknown peer {peer!r} (choices: hf)")
+    if peer and cfg.inputs.batch_size != 1:
+        raise ValueError("--peer hf compares single prompts: use --batch-size 1")
+    if peer and cfg.sampling.temperature != 0:
+        raise ValueError("--peer hf compares greedy decoding: use --temperature 0")
+    if peer and cfg.sampling.has_penalties:
+        raise ValueError("--peer hf decodes without penalties: leave the repetition, presence and frequency "
+                         "penalties off")
+
+
+def bench_batch(setup: Setup, chunk: list[dict], repeats: int) -> dict:
+    """One batch of prompts: both programs compiled (a run of the same shapes and a budget the
+    constraint fits), then ``repeats`` timed runs alternating plain and speculative decoding, the
+    cost model on the same shapes and, under greedy decoding, the outputs compared; its report row."""
+    cfg, target, gamma = setup.cfg, setup.target, setup.cfg.effective_gamma  # gamma: a tree's node count
+    prompts = [encode(target.tokenizer, r["prompt"], cfg.inputs.raw) for r in chunk]
+    capacity = engine.default_capacity(max(map(len, prompts)), cfg.inputs.max_new_tokens, cfg.widest_gamma)
+
+    def run(g, max_new):
+        return engine.generate(
+            target, prompts, setup.drafter if g else None, gamma=g, sampling=cfg.sampling,
+            max_new_tokens=max_new, stop_ids=setup.stops, seed=cfg.seed, capacity=capacity, grammars=setup.grammar,
+        )
+
+    first = 1 if setup.grammar is None else max(1, setup.grammar.shortest_match)
+    compile_s = {g: run(g, first).wall_s for g in (0, gamma)}
+    walls, decodes, results = {0: [], gamma: []}, {0: [], gamma: []}, {}
+    for _ in range(repeats):
+        for g in (0, gamma):
+            results[g] = run(g, cfg.inputs.max_new_tokens)
+            walls[g].append(results[g].wall_s)
+            decodes[g].append(results[g].decode_s)
+    plain, spec = results[0], results[gamma]
+    costs = cost_model(target, setup.drafter, gamma, prompts, capacity, cfg)
+    exact, comparisons = (
+        compare_rows(target.config, target.model.params(), prompts, plain.tokens, spec.tokens)
+        if cfg.sampling.temperature == 0 else (None, [None] * len(chunk))
+    )
+    row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
+    row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens)  # for replays
+    return row
+
+
+def time_peer(hf, setup: Setup, row: dict, repeats: int) -> dict:
+    """transformers' greedy decoding and our drafter's counterpart (`peer_mode`) on the row's single
+    prompt: their timings, tokens decoded after the first, and whether each output is plain decoding's."""
+    cfg, mode = setup.cfg, peer_mode(setup.cfg)
+    eos = None if cfg.inputs.ignore_eos else setup.target.tokenizer.eos_id  # its own EOS only, not --stop-id
+    timed = {}
+    for name, lookup in (("greedy", 0), (mode, cfg.widest_gamma if mode == "lookup" else 0)):
+        result = hf.time_decode(row["prompt_ids"][0], cfg.inputs.max_new_tokens, eos, lookup, repeats,
+                                name == "assisted")
+        tokens = result.pop("tokens")
+        result["decode_tokens"] = len(tokens) - 1  # the first token is timed apart, as for ours
+        result["same_as_plain"] = tokens == row["plain_outputs"][0]
+        timed[name] = result
+    return timed
+
+
 def peer_mode(cfg: RunConfig) -> str:
-    """transformers' counterpart of our drafter: "assisted" (assistant_model) for a draft model, else
-    "lookup" (prompt-lookup decoding)."""
-    return "assisted" if cfg.drafter == "draft-model" else "lookup"
+    """transformers' counterpart of our drafter (its entry in the table of drafters): "assisted"
+    (assistant_model, the same draft model) or "lookup" (prompt-lookup decoding)."""
+    return drafter_spec(cfg.drafter).peer
 
 
 def _subsample(records: list[dict], per_category: int | None) -> list[dict]:
@@ -344,7 +378,7 @@ def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int
         by_category[r["categories"][0] if len(set(r["categories"])) == 1 else "mixed"].append(r)
     overall = _aggregate(rows, cfg.gamma)
     floor_s = param_bytes / bandwidth
-    plain_step_s = cfg.batch_size / overall["plain_tokens_per_s"]  # one target step emits a token per row
+    plain_step_s = cfg.inputs.batch_size / overall["plain_tokens_per_s"]  # one target step emits a token per row
     return {
         "config": cfg.to_dict(),
         "complete": complete,  # False: a stopped run's finished prompts only
@@ -364,7 +398,7 @@ def _report(cfg: RunConfig, rows: list[dict], bandwidth: float, param_bytes: int
 def format_report(report: dict) -> str:
     """Markdown tables: per category and overall, plus the bandwidth line."""
     cfg = report["config"]
-    head = (f"Bench: {cfg['model']}, drafter {cfg['drafter']}, {shape_label(RunConfig(**cfg))}, batch {cfg['batch_size']}, "
+    head = (f"Bench: {cfg['model']}, drafter {cfg['drafter']}, {shape_label(run_config(**cfg))}, batch {cfg['batch_size']}, "
             f"{cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, {report['repeats']} repeats "
             f"(medians), {report['device']}")
     lines = [head, "",

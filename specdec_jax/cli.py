@@ -14,18 +14,20 @@ import json
 import pathlib
 import sys
 import traceback
+import typing
+from collections.abc import Callable
 
 import jax
 
 from specdec_jax import files, interrupts, theory
-from specdec_jax.config import DRAFTERS, TREE_FIELDS, RunConfig, load_yaml, resolve
+from specdec_jax.config import KEYS, RunConfig, load_yaml, resolve
+from specdec_jax.drafters.table import PLAIN, drafters, names_where
 
-FLAG_HELP = {
+FLAG_HELP = {  # the drafters a setting is for are added from the table of drafters (`flag_help`)
     "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
-    "drafter": "drafter: " + ", ".join(DRAFTERS),
-    "draft_model": "draft model name or path (--drafter draft-model), or a trained head folder (eagle, medusa)",
-    "draft_vocab": "--drafter draft-model: the draft's logits over its first N vocabulary ids (BPE merge order, so the "
-                   "most frequent) and its stop ids only, a cheaper head; 0 = its whole vocabulary",
+    "draft_model": "a draft model's name or path, or a trained head folder",
+    "draft_vocab": "the draft's logits over its first N vocabulary ids (BPE merge order, so the most frequent) and "
+                   "its stop ids only, a cheaper head; 0 = its whole vocabulary",
     "dtype": "weights, activations and KV cache of the target and draft model: float32 or bfloat16 (matrix "
              "products in it; norms, softmax and logits in float32)",
     "gamma": "drafts per round (0 = plain decoding), or auto: chosen each round from this device's measured "
@@ -45,21 +47,31 @@ FLAG_HELP = {
     "raw": "send prompt text as is (no chat template)",
     "ignore_eos": "do not stop at the model's end tokens (its EOS, EOT ...); --stop-id still stops",
     "stop_id": "a token id that also ends a row, kept in the output (repeatable)",
-    "oracle_alpha": "acceptance of the oracle drafter",
+    "oracle_alpha": "the probability that a draft is the target's own token",
     "ngram_max": "longest n-gram the lookup tries",
     "ngram_min": "shortest n-gram the lookup tries",
-    "datastore": "retrieval drafter: sharegpt, a .jsonl file of texts or chats, a folder of text/code files "
-                 "(tokenised and indexed once, cached), or outputs: the model's own outputs of earlier batches "
-                 "(repeatable)",
+    "datastore": "sharegpt, a .jsonl file of texts or chats, a folder of text/code files (tokenised and indexed "
+                 "once, cached), or outputs: the model's own outputs of earlier batches (repeatable)",
     "mesh": "device mesh, e.g. data=4,model=2 (rows on data; heads and MLP on model); None: every device on data",
-    "tree_nodes": "draft a token tree of this many nodes (ngram, retrieval, draft-model, eagle, medusa; default depth x "
-                  "topk), or auto: each round verifies the best 0, 1, 2, 4, 8, 16 .. depth x topk of them",
+    "tree_nodes": "draft a token tree of this many nodes (default depth x topk), or auto: each round verifies the "
+                  "best 0, 1, 2, 4, 8, 16 .. depth x topk of them",
     "tree_depth": "deepest tree node (default 4 with a tree)",
-    "tree_topk": "children per expanded node: n-gram matches, draft/EAGLE top-k, Medusa ranks (default 2 with a tree)",
-    "tree_choices": "a static tree for medusa: JSON list of top-k rank paths, Medusa's format",
+    "tree_topk": "children per expanded node: matches, or top-k tokens or ranks (default 2 with a tree)",
+    "tree_choices": "a static tree: JSON list of top-k rank paths, Medusa's format",
     "regex": "every output fully matches this regex (outlines-core syntax; docs/constraints.md)",
     "json_schema": "every output is JSON valid against the JSON schema in this file",
 }
+
+
+def flag_help(name: str) -> str:
+    """A run flag's help: `FLAG_HELP`, and the drafters that read it (from the table of drafters; a
+    tree flag no drafter claims: the tree drafters)."""
+    if name == "drafter":
+        return "; ".join([f"{PLAIN}: plain decoding", *(f"{s.name}: {s.help}" for s in drafters())])
+    users = names_where(lambda s: name in s.settings or name in s.needs)
+    if not users and KEYS[name].group == "tree":
+        users = names_where(lambda s: s.trees)
+    return FLAG_HELP[name] + (f" (drafter: {', '.join(users)})" if users else "")
 
 
 def _gamma(text: str) -> int | str:
@@ -72,21 +84,26 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}") from None
 
 
+def _flag_type(hint) -> type | Callable[[str], int | str]:
+    """What parses a flag of a setting annotated ``hint``: int or 'auto', int, float or str."""
+    args = typing.get_args(hint) or (hint,)
+    if int in args and str in args:
+        return _gamma
+    return next((kind for kind in (int, float) if kind in args), str)
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field; every default is None so that only given flags override."""
-    for name, default in RunConfig.__dataclass_fields__.items():
-        flag = "--" + name.replace("_", "-")
-        value = default.default
+    """One flag per flat config key (`config.KEYS`); every default is None so that only given flags override."""
+    for name, key in KEYS.items():
+        flag, value, help_text = "--" + name.replace("_", "-"), key.default, flag_help(name)
         if isinstance(value, bool):
-            parser.add_argument(flag, action="store_true", default=None, help=FLAG_HELP[name])
-        elif name in ("prompt", "datastore"):
-            parser.add_argument(flag, action="append", default=None, help=FLAG_HELP[name])
-        elif name == "stop_id":
-            parser.add_argument(flag, action="append", type=int, default=None, metavar="ID", help=FLAG_HELP[name])
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif isinstance(value, tuple):  # repeatable
+            kind = typing.get_args(key.hint)[0]
+            parser.add_argument(flag, action="append", type=kind, default=None, help=help_text,
+                                metavar="ID" if kind is int else None)
         else:
-            kind = (_gamma if name in ("gamma", "tree_nodes") else int if name in TREE_FIELDS
-                    else str if value is None else type(value))
-            parser.add_argument(flag, type=kind, default=None, help=f"{FLAG_HELP[name]} (default {value})")
+            parser.add_argument(flag, type=_flag_type(key.hint), default=None, help=f"{help_text} (default {value})")
     parser.add_argument("--config", type=pathlib.Path, help="YAML config file (flags override it)")
     parser.add_argument("--json", type=pathlib.Path, metavar="OUT", help="write the full report as JSON")
 
@@ -101,10 +118,10 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args, defaults: dict | None = None) -> RunConfig:
     """RunConfig of the flags over the --config file over `defaults` (a command's own) over RunConfig's."""
-    flags = {name: getattr(args, name) for name in RunConfig.__dataclass_fields__}
-    for name in ("prompt", "stop_id", "datastore"):  # repeatable flags
-        if flags[name] is not None:
-            flags[name] = tuple(flags[name])
+    flags = {name: getattr(args, name) for name in KEYS}
+    for name, value in flags.items():  # repeatable flags: lists
+        if isinstance(value, list):
+            flags[name] = tuple(value)
     file_values = {**(defaults or {}), **(load_yaml(args.config) if args.config else {})}
     return resolve(file_values, flags, where=str(args.config or "flags"))
 
@@ -192,7 +209,7 @@ def _train_draft(args) -> int:
     summary = train_draft(tc, args.out, resume=args.resume)
     print(json.dumps(summary, indent=1))
     if "draft" in summary:
-        drafter = "draft-model" if tc.kind == "model" else tc.kind
+        drafter = names_where(lambda s: s.trained_kind == tc.kind)[0]  # the first registered: a built-in one
         print(f"use it with: --drafter {drafter} --draft-model {summary['draft']}")
     return 0
 

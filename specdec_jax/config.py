@@ -1,19 +1,32 @@
-"""Run settings: one frozen dataclass whose fields are the CLI flags (underscores for dashes).
+"""Run settings: `RunConfig`, a few top-level settings and five groups; users give them flat.
 
-Precedence: dataclass defaults < YAML file (`--config`) < flags given on the
-command line. Unknown keys, values of the wrong type (`specdec_jax.typed`:
-``raw: "false"`` is not true) and bad values are `ValueError`s that name the
-file and the key.
+A run is named by its top-level settings (model, dtype, drafter, draft_model,
+gamma, seed, mesh) and the groups `sampling` (`SamplingParams`), `inputs` (the
+prompts, their batches and budget, the stop ids), `tree` (a token tree's
+shape), `drafting` (settings of particular drafters: the table of drafters,
+`drafters.table`, says which drafter reads which) and `constraint` (a grammar).
+
+Users give settings flat: YAML keys and CLI flags (dashes for underscores) are
+the names of `KEYS`, a group's field each (prefixed in the tree group:
+``tree_nodes`` is ``tree.nodes``). `run_config(**flat)` builds a RunConfig,
+`RunConfig.to_dict` gives the flat keys back (reports embed it).
+
+Precedence: defaults < YAML file (`--config`) < flags given on the command
+line. Unknown keys, values of the wrong type (`specdec_jax.typed`: ``raw:
+"false"`` is not true) and bad values are `ValueError`s that name the file (or
+"flags") and the key: every check raises a `typed.SettingError` that carries
+its keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from specdec_jax.drafters.table import PLAIN, drafter_names, drafter_spec, drafters, names_where
 from specdec_jax.engine.batching import AUTO, MAX_NEW_TOKENS
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models.llama import DTYPES
@@ -21,133 +34,198 @@ from specdec_jax.rng import SEED_LIMIT
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
 from specdec_jax.tree import TreeShape, load_choices
-from specdec_jax.typed import check_fields
+from specdec_jax.typed import SettingError, check_types, coerce, hints
 
-DRAFTERS = ("none", "ngram", "retrieval", "draft-model", "oracle", "eagle", "medusa")
-NEEDS_DRAFT_MODEL = ("draft-model", "eagle", "medusa")  # --draft-model: a draft model, or a trained head folder
-TREE_DRAFTERS = ("ngram", "retrieval", "draft-model", "eagle", "medusa")  # --tree-*: the drafters that propose token trees
-TREE_FIELDS = ("tree_nodes", "tree_depth", "tree_topk")  # ints; with tree_choices, the tree's shape
-TREE_DEFAULTS = {"tree_depth": 4, "tree_topk": 2}  # tree_nodes defaults to depth * topk
+TREE_DEFAULTS = {"depth": 4, "topk": 2}  # with a tree; its nodes default to depth * topk
+EXAMPLES = {"mesh": "'data=4,model=2'"}  # a valid value, shown when a value has the wrong type
+NEEDED = {  # what a drafter that needs a setting asks for (`DrafterSpec.needs`)
+    "draft_model": "draft_model (--draft-model NAME_OR_PATH)",
+    "datastore": "a datastore (e.g. sharegpt, a .jsonl file or a folder)",
+}
+
+
+def _check(settings, checks, prefix: str = "") -> None:
+    """SettingError ``"NAME must be REQUIREMENT, got VALUE"`` for the first (name, ok, requirement) not ok."""
+    for name, ok, requirement in checks:
+        if not ok:
+            raise SettingError(f"{prefix}{name} must be {requirement}, got {getattr(settings, name)!r}", prefix + name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The prompts, how they are encoded and batched, and when a row ends."""
+
+    prompt: tuple[str, ...] = ()
+    prompts_file: str | None = None
+    raw: bool = False  # no chat template
+    batch_size: int = 1
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop_id: tuple[int, ...] = ()  # extra token ids that end a row (kept in the output), beside the model's
+
+    def __post_init__(self):
+        check_types(self)
+        _check(self, (("max_new_tokens", 1 <= self.max_new_tokens < MAX_NEW_TOKENS, "an int in [1, 2**31 - 2**20)"),
+                      ("batch_size", self.batch_size >= 1, "an int >= 1")))
+        if not all(i >= 0 for i in self.stop_id):
+            raise SettingError(f"stop_id must be token ids (ints >= 0), got {list(self.stop_id)!r}", "stop_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSettings:
+    """A token tree's shape (`specdec_jax.tree`); every field None: chains. Flat keys: ``tree_`` + field."""
+
+    PREFIX: ClassVar[str] = "tree_"
+    nodes: int | str | None = None  # node count, or "auto": a size chosen per round (engine.shape)
+    depth: int | None = None
+    topk: int | None = None
+    choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
+
+    def __post_init__(self):
+        check_types(self, self.PREFIX)
+        for name in ("nodes", "depth", "topk"):
+            value = getattr(self, name)
+            if name == "nodes" and value == AUTO:
+                continue
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise SettingError(f"tree_{name} must be an int >= 1{' or auto' * (name == 'nodes')}, got {value!r}",
+                                   f"tree_{name}")
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """The flat keys of the fields set (none: chains)."""
+        return tuple(self.PREFIX + f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+    def shape(self) -> TreeShape | None:
+        """The token tree the fields describe (None: chains); a bad one is a SettingError naming them."""
+        if not self.given:
+            return None
+        try:
+            if self.choices is not None:
+                return load_choices(self.choices)
+            depth, topk = self.depth or TREE_DEFAULTS["depth"], self.topk or TREE_DEFAULTS["topk"]
+            nodes = depth * topk if self.nodes in (None, AUTO) else self.nodes  # auto: sizes up to depth x topk
+            return TreeShape(nodes=nodes, depth=depth, topk=topk)
+        except ValueError as err:
+            raise SettingError(str(err), *self.given) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+    """Settings particular drafters read (`drafters.table`: each entry's ``settings``)."""
+
+    draft_vocab: int = 0  # a draft model's logits over its first N ids (+ stop ids) only; 0: all
+    oracle_alpha: float = 0.8
+    ngram_max: int = 3
+    ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
+    datastore: tuple[str, ...] = ()  # sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder, outputs
+
+    def __post_init__(self):
+        check_types(self)
+        _check(self, (("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
+                      ("ngram_min", self.ngram_min >= 1, "an int >= 1"),
+                      ("ngram_max", self.ngram_max >= self.ngram_min, "an int >= ngram_min"),
+                      ("draft_vocab", self.draft_vocab >= 0, "an int >= 0")))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSettings:
+    """A grammar every output obeys (docs/constraints.md): one of a regex and a JSON schema file."""
+
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def __post_init__(self):
+        check_types(self)
+        if self.regex is not None and self.json_schema is not None:
+            raise SettingError("regex and json_schema exclude each other: a constraint is one of them",
+                               "regex", "json_schema")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+    """Everything a run is given (module docstring); build it from flat keys with `run_config`."""
+
     model: str = "smollm2-135m"
-    drafter: str = "ngram"
-    draft_model: str | None = None
     dtype: str = "float32"  # weights, residual stream and KV cache of the models (specdec_jax.models.llama)
-    draft_vocab: int = 0  # draft-model drafter: logits over the draft's first N ids (+ stop ids) only; 0: all
+    drafter: str = "ngram"  # a name of the table of drafters, or "none" (plain decoding: gamma 0)
+    draft_model: str | None = None
     gamma: int | str = "auto"  # drafts per round, or "auto": chosen per round (specdec_jax.engine.shape)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # transformers' (CTRL): prompt and generated tokens
-    presence_penalty: float = 0.0  # vLLM/OpenAI: generated tokens only
-    frequency_penalty: float = 0.0
-    max_new_tokens: int = 128
     seed: int = 0
-    batch_size: int = 1
-    prompt: tuple[str, ...] = ()
-    prompts_file: str | None = None
-    raw: bool = False
-    ignore_eos: bool = False
-    stop_id: tuple[int, ...] = ()  # extra token ids that end a row (kept in the output), beside the model's
-    oracle_alpha: float = 0.8
-    ngram_max: int = 3
-    ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
-    datastore: tuple[str, ...] = ()  # retrieval drafter: sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder
     mesh: str | None = None  # "data=4,model=2" (specdec_jax.sharding); None: every device on data
-    tree_nodes: int | str | None = None  # a token tree of this many nodes (specdec_jax.tree), "auto" (a size
-    # chosen per round, engine.shape); None: a chain
-    tree_depth: int | None = None
-    tree_topk: int | None = None
-    tree_choices: str | None = None  # a static tree file in Medusa's format (JSON list of rank lists)
-    regex: str | None = None  # every output matches this regex (docs/constraints.md)
-    json_schema: str | None = None  # every output is JSON valid against the schema in this file
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    inputs: Inputs = dataclasses.field(default_factory=Inputs)
+    tree: TreeSettings = dataclasses.field(default_factory=TreeSettings)
+    drafting: DrafterSettings = dataclasses.field(default_factory=DrafterSettings)
+    constraint: ConstraintSettings = dataclasses.field(default_factory=ConstraintSettings)
 
     def __post_init__(self):
-        check_fields(self, {"mesh": "'data=4,model=2'"})  # types first (specdec_jax.typed): raw "false" is not true
-        checks = (
-            ("drafter", self.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}"),
+        check_types(self)  # types first (specdec_jax.typed): the range checks compare
+        names = drafter_names()
+        _check(self, (
+            ("drafter", self.drafter in names, f"one of {', '.join(names)}"),
             ("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("gamma", self.gamma == AUTO or isinstance(self.gamma, int) and self.gamma >= 0, "an int >= 0 or 'auto'"),
-            ("max_new_tokens", 1 <= self.max_new_tokens < MAX_NEW_TOKENS, "an int in [1, 2**31 - 2**20)"),
             ("seed", 0 <= self.seed < SEED_LIMIT, "an int in [0, 2**64)"),
-            ("batch_size", self.batch_size >= 1, "an int >= 1"),
-            ("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
-            ("ngram_min", self.ngram_min >= 1, "an int >= 1"),
-            ("ngram_max", self.ngram_max >= self.ngram_min, "an int >= ngram_min"),
-        )
-        for name, ok, requirement in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
-        if (self.drafter == "retrieval") != bool(self.datastore) and self.gamma != 0:
-            raise ValueError("the retrieval drafter needs a datastore (e.g. sharegpt, a .jsonl file or a folder)"
-                             if self.drafter == "retrieval" else
-                             f"datastore is for drafter 'retrieval', not {self.drafter!r}")
-        if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
-        if self.draft_vocab and self.drafter != "draft-model":
-            raise ValueError(f"draft_vocab reduces a draft model's output vocabulary: it needs drafter 'draft-model', "
-                             f"not {self.drafter!r}")
-        if self.drafter in NEEDS_DRAFT_MODEL and not self.draft_model:
-            raise ValueError(f"drafter {self.drafter!r} needs draft_model (--draft-model NAME_OR_PATH)")
-        if not all(i >= 0 for i in self.stop_id):
-            raise ValueError(f"stop_id must be token ids (ints >= 0), got {list(self.stop_id)!r}")
-        sampling_params(self)
+        ))
+        if self.drafter == PLAIN and self.gamma != 0:
+            raise SettingError(f"drafter {PLAIN!r} decodes plainly: gamma must be 0, got {self.gamma!r}", "gamma")
         if self.mesh is not None:
-            data = parse_mesh(self.mesh)[DATA]
-            if self.batch_size % data:
-                raise ValueError(f"mesh {self.mesh!r}: the data axis ({data}) does not divide batch_size "
-                                 f"{self.batch_size}")
-        if self.regex is not None and self.json_schema is not None:
-            raise ValueError("regex and json_schema exclude each other: a constraint is one of them")
-        if self.drafter == "none":  # plain decoding: record the gamma that really runs
-            object.__setattr__(self, "gamma", 0)
-        self._check_tree()
+            try:
+                data = parse_mesh(self.mesh)[DATA]
+            except ValueError as err:
+                raise SettingError(str(err), "mesh") from None
+            if self.inputs.batch_size % data:
+                raise SettingError(f"mesh {self.mesh!r}: the data axis ({data}) does not divide batch_size "
+                                   f"{self.inputs.batch_size}", "mesh", "batch_size")
+        if self.gamma != 0:  # the drafter runs
+            self._check_drafter()
+            self._check_tree()
+
+    def _check_drafter(self) -> None:
+        """The settings the drafter needs are given; another drafter's settings that are off by default are not."""
+        spec = drafter_spec(self.drafter)
+        for key in spec.needs:
+            if not self.value(key):
+                raise SettingError(f"the {self.drafter} drafter needs {NEEDED.get(key, key)}", key, "drafter")
+        for key in dict.fromkeys(k for s in drafters() for k in s.settings):
+            if key not in spec.settings and self.value(key) and not KEYS[key].default:
+                owners = " or ".join(repr(s.name) for s in drafters() if key in s.settings)
+                raise SettingError(f"{key} is for drafter {owners}, not {self.drafter!r}", key, "drafter")
 
     def _check_tree(self) -> None:
-        for name in TREE_FIELDS:
-            value = getattr(self, name)
-            if name == "tree_nodes" and value == AUTO:
-                continue
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1{' or auto' * (name == 'tree_nodes')}, got {value!r}")
-        if not self.is_tree or self.gamma == 0:
+        given = self.tree.given
+        if not given:
             return
-        if self.drafter not in TREE_DRAFTERS:
-            raise ValueError(f"the {self.drafter} drafter drafts chains only; token trees (tree_*) come from "
-                             f"{', '.join(TREE_DRAFTERS)}")
-        if self.tree_choices is not None and self.drafter != "medusa":
-            raise ValueError("tree_choices (a static tree) is for --drafter medusa")
-        shape = self.tree_shape
-        if self.gamma not in (AUTO, shape.nodes) or self.tree_nodes == AUTO and self.gamma != AUTO:
-            raise ValueError(f"gamma {self.gamma} and a tree of {self.tree_nodes or shape.nodes} nodes exclude each "
-                             f"other: leave gamma unset with a tree (its node count is the round's width)")
+        if not drafter_spec(self.drafter).trees:
+            raise SettingError(f"the {self.drafter} drafter drafts chains only; token trees (tree_*) come from "
+                               f"{', '.join(names_where(lambda s: s.trees))}", "drafter", *given)
+        shape = self.tree.shape()
+        if self.gamma not in (AUTO, shape.nodes) or self.tree.nodes == AUTO and self.gamma != AUTO:
+            raise SettingError(f"gamma {self.gamma} and a tree of {self.tree.nodes or shape.nodes} nodes exclude "
+                               "each other: leave gamma unset with a tree (its node count is the round's width)",
+                               "gamma", *given)
+
+    def value(self, key: str) -> Any:
+        """The setting of a flat key (`KEYS`): ``value("temperature")`` is ``sampling.temperature``."""
+        where = KEYS[key]
+        return getattr(getattr(self, where.group) if where.group else self, where.field)
 
     @property
     def is_tree(self) -> bool:
-        return self.tree_choices is not None or any(getattr(self, name) is not None for name in TREE_FIELDS)
+        return bool(self.tree.given)
 
     @property
     def tree_shape(self) -> TreeShape | None:
-        """The token tree the tree_* fields describe (None: chains)."""
-        if not self.is_tree:
-            return None
-        if self.tree_choices is not None:
-            return load_choices(self.tree_choices)
-        depth = self.tree_depth or TREE_DEFAULTS["tree_depth"]
-        topk = self.tree_topk or TREE_DEFAULTS["tree_topk"]
-        nodes = depth * topk if self.tree_nodes in (None, AUTO) else self.tree_nodes  # auto: sizes up to depth x topk
-        return TreeShape(nodes=nodes, depth=depth, topk=topk)
+        """The token tree the tree settings describe (None: chains)."""
+        return self.tree.shape()
 
     @property
     def effective_gamma(self) -> int | str:
         """What `generate` gets: an int (0 = plain decoding; a tree's node count) or "auto" (with a
         tree drafter: the tree size chosen per round)."""
         if self.gamma != 0 and self.is_tree:
-            return AUTO if self.tree_nodes == AUTO else self.tree_shape.nodes
+            return AUTO if self.tree.nodes == AUTO else self.tree_shape.nodes
         return self.gamma
 
     @property
@@ -158,18 +236,62 @@ class RunConfig:
         return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["prompt"], d["stop_id"] = list(self.prompt), list(self.stop_id)
-        return d
+        """The flat keys and their values (lists for tuples): what `run_config` takes and reports embed."""
+        return {key: list(v) if isinstance(v := self.value(key), tuple) else v for key in KEYS}
+
+    def updated(self, **flat) -> RunConfig:
+        """This config with the flat keys ``flat`` changed (`run_config`'s checks)."""
+        return run_config(**{**self.to_dict(), **flat})
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """Where a flat key lives in a RunConfig: ``group`` (None: top level), ``field``; its default and annotation."""
+
+    group: str | None
+    field: str
+    default: Any
+    hint: Any
 
 
-def sampling_params(cfg: RunConfig) -> SamplingParams:
-    """The config's sampling fields (temperature ... frequency_penalty) as SamplingParams; a bad
-    value is a ValueError naming the field."""
-    return SamplingParams(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(SamplingParams)})
+def _keys() -> dict[str, Key]:
+    """Flat key -> `Key`: the top-level fields, and each group's fields (a field whose annotation is a dataclass)."""
+    keys = {}
+    for field in dataclasses.fields(RunConfig):
+        group = hints(RunConfig)[field.name]
+        if not dataclasses.is_dataclass(group):
+            keys[field.name] = Key(None, field.name, field.default, group)
+            continue
+        for inner in dataclasses.fields(group):
+            keys[getattr(group, "PREFIX", "") + inner.name] = Key(field.name, inner.name, inner.default,
+                                                                  hints(group)[inner.name])
+    return keys
+
+
+KEYS = _keys()
+GROUPS = {key.group: hints(RunConfig)[key.group] for key in KEYS.values() if key.group}
+
+
+def run_config(**flat) -> RunConfig:
+    """RunConfig from flat keys (`KEYS`; the rest keep their defaults): each value checked by type and
+    converted (`typed.coerce`), the groups built; drafter "none" runs gamma 0, the gamma recorded."""
+    unknown = [key for key in flat if key not in KEYS]
+    if unknown:
+        raise SettingError(f"unknown key {unknown[0]!r} (known: {', '.join(KEYS)})", unknown[0])
+    values = {key: coerce(value, KEYS[key].hint, key, EXAMPLES.get(key)) for key, value in flat.items()}
+    if values.get("drafter", KEYS["drafter"].default) == PLAIN:
+        values["gamma"] = 0
+    top = {KEYS[key].field: value for key, value in values.items() if KEYS[key].group is None}
+    groups = {name: {KEYS[key].field: value for key, value in values.items() if KEYS[key].group == name}
+              for name in GROUPS}
+    for name, fields in groups.items():
+        if GROUPS[name] is SamplingParams:  # its checks are each of one field: the field that fails alone is the key
+            for key, value in fields.items():
+                try:
+                    SamplingParams(**{key: value})
+                except ValueError as err:
+                    raise SettingError(str(err), key) from None
+    return RunConfig(**top, **{name: GROUPS[name](**fields) for name, fields in groups.items()})
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -215,20 +337,20 @@ def read_yaml(path: str | pathlib.Path, kind: str = "config") -> dict[str, Any]:
 
 
 def load_yaml(path: str | pathlib.Path) -> dict[str, Any]:
-    """Keys and values of a config file, checked against RunConfig's fields."""
+    """Keys and values of a config file, checked against the flat keys."""
     return check_keys(read_yaml(path), str(path))
 
 
 def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data``'s keys as RunConfig field names (a list for ``prompt`` or ``stop_id`` taken as a tuple);
+    """``data``'s keys as flat keys (`KEYS`; a list for ``prompt`` or ``stop_id`` taken as a tuple);
     a non-mapping or an unknown key is a ValueError naming ``where``."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: must be a mapping of keys to values, got {type(data).__name__} {data!r:.60}")
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in FIELDS:
-            raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(FIELDS)})")
+        if name not in KEYS:
+            raise ValueError(f"{where}: unknown key {key!r} (known: {', '.join(KEYS)})")
         if name in ("prompt", "stop_id"):  # one value, or a list of them
             value = tuple(value) if isinstance(value, list) else (value,)
         out[name] = value
@@ -237,15 +359,17 @@ def check_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
 
 def resolve(file_values: dict[str, Any], flag_values: dict[str, Any], where: str = "config") -> RunConfig:
     """RunConfig from file values overridden by flags (flags left unset are None and ignored); an error
-    names ``where`` (the file), or "flags" when the key it is about was given as a flag."""
+    names ``where`` (the file), or "flags" when a key it is about was given as a flag."""
     flags = {k: v for k, v in flag_values.items() if v is not None}
     try:
-        return RunConfig(**{**file_values, **flags})
-    except (TypeError, ValueError) as err:
+        return run_config(**{**file_values, **flags})
+    except ValueError as err:
         raise ValueError(f"{blame(err, flags, where)}: {err}") from None
 
 
-def blame(err: Exception, flags: dict[str, Any], where: str) -> str:
-    """Where the value an error is about came from: "flags" when the key it starts with was a flag
-    given, else ``where``."""
-    return "flags" if str(err).split(" ", 1)[0] in flags else where
+def blame(err: ValueError, flags: dict[str, Any], where: str) -> str:
+    """Where the values an error is about came from: "flags" when one of its keys was a flag given,
+    else ``where``. The keys are a `SettingError`'s; a plain ValueError of settings that do not name
+    them (`distill.config.TrainConfig`'s range checks) is about the key its message starts with."""
+    keys = err.keys if isinstance(err, SettingError) else (str(err).split(" ", 1)[0],)
+    return "flags" if set(keys) & flags.keys() else where

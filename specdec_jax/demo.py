@@ -20,7 +20,6 @@ say it pays), and, beside it, the trained EAGLE head when
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import statistics
 import textwrap
@@ -30,12 +29,11 @@ from tqdm import tqdm
 from specdec_jax.compare import compare_greedy, teacher_forced_margins
 from specdec_jax.drafters.heads import is_head_dir
 from specdec_jax.cache import cache_dir
-from specdec_jax.config import RunConfig
+from specdec_jax.config import KEYS, RunConfig
 from specdec_jax.data import PAIR_PROMPTS
 from specdec_jax.engine import default_capacity, generate
 from specdec_jax.models import load_model
-from specdec_jax.runner import (build_drafter, encode, format_rate, one_device_only, prompt_records, sampling_params,
-                                stop_ids)
+from specdec_jax.runner import build_drafter, encode, format_rate, one_device_only, prompt_records, stop_ids
 
 
 REPEATS = 3  # timed runs of each mode per prompt (medians), for models that decode in seconds
@@ -44,16 +42,18 @@ REPEATS = 3  # timed runs of each mode per prompt (medians), for models that dec
 # there (a 5-token verify pass costs far more than a 4-token one, docs/design.md section 8).
 PAIR = {"model": "qwen2.5-coder-1.5b", "drafter": "draft-model", "draft_model": "qwen2.5-coder-0.5b", "gamma": 3}
 PAIR_REPEATS = 1
-EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head")  # where experiments/eagle_recipe.py leaves its head
+# the model, the head folder (in the cache) experiments/eagle_recipe.py leaves, and the drafter that runs it
+EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head", "eagle")
 
 
 def demo_configs(cfg: RunConfig) -> list[RunConfig]:
-    """The drafters the demo runs: the configured one and, when that is the default n-gram drafter
-    on SmolLM2, also the trained EAGLE head if one is in the cache (`python experiments/eagle_recipe.py`)."""
+    """The drafters the demo runs: the configured one and, when that is the default drafter on SmolLM2,
+    also the trained EAGLE head if one is in the cache (`python experiments/eagle_recipe.py`)."""
     configs = [cfg]
-    head = cache_dir() / EAGLE_HEAD[1]
-    if cfg.drafter == "ngram" and cfg.model == EAGLE_HEAD[0] and is_head_dir(head):
-        configs.append(dataclasses.replace(cfg, drafter="eagle", draft_model=str(head)))
+    model, folder, drafter = EAGLE_HEAD
+    head = cache_dir() / folder
+    if cfg.drafter == KEYS["drafter"].default and cfg.model == model and is_head_dir(head):
+        configs.append(cfg.updated(drafter=drafter, draft_model=str(head)))
     return configs
 
 
@@ -72,16 +72,16 @@ def demo(cfg: RunConfig, repeats: int | None = None) -> dict:
     tok = target.tokenizer
     stops = stop_ids(cfg, tok)
     rows = {c.drafter: [] for c in configs}
-    records = [dict(r) for r in PAIR_PROMPTS] if cfg.model == PAIR["model"] and not (cfg.prompt or cfg.prompts_file) \
-        else prompt_records(cfg)
+    given = cfg.inputs.prompt or cfg.inputs.prompts_file
+    records = [dict(r) for r in PAIR_PROMPTS] if cfg.model == PAIR["model"] and not given else prompt_records(cfg)
     for record in tqdm(records, desc=f"prompts (compile, plain, {', '.join(rows)})", unit="prompt",
                        delay=0.5):  # no bar before an error in the first prompt
-        ids = encode(tok, record["prompt"], cfg.raw)
-        capacity = default_capacity(len(ids), cfg.max_new_tokens, cfg.widest_gamma)
+        ids = encode(tok, record["prompt"], cfg.inputs.raw)
+        capacity = default_capacity(len(ids), cfg.inputs.max_new_tokens, cfg.widest_gamma)
 
         def run(drafter, max_new):
             return generate(
-                target, [ids], drafter, gamma=cfg.effective_gamma if drafter else 0, sampling=sampling_params(cfg),
+                target, [ids], drafter, gamma=cfg.effective_gamma if drafter else 0, sampling=cfg.sampling,
                 max_new_tokens=max_new, stop_ids=stops, seed=cfg.seed, capacity=capacity,
             )
 
@@ -89,13 +89,13 @@ def demo(cfg: RunConfig, repeats: int | None = None) -> dict:
         outputs, walls = [None] * len(compile_s), [[] for _ in compile_s]  # plain, then each drafter
         for _ in range(repeats):  # alternating, so machine noise hits every mode alike; medians kept
             for i, drafter in enumerate((None, *drafters)):
-                outputs[i] = run(drafter, cfg.max_new_tokens)
+                outputs[i] = run(drafter, cfg.inputs.max_new_tokens)
                 walls[i].append(outputs[i].wall_s)
         plain, plain_s = outputs[0], statistics.median(walls[0])
         margins = teacher_forced_margins(target.config, target.model.params(), ids, plain.tokens[0])
         for c, spec, wall, compiled in zip(configs, outputs[1:], walls[1:], compile_s[1:]):
             spec_s = statistics.median(wall)
-            same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.temperature == 0 else None
+            same = compare_greedy(plain.tokens[0], spec.tokens[0], margins) if cfg.sampling.temperature == 0 else None
             rows[c.drafter].append({
                 "id": record["id"],
                 "plain_text": tok.decode(plain.tokens[0]),
@@ -144,7 +144,8 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 def _print_summary(rows: list[dict], cfg: RunConfig) -> None:
-    print(f"\nSummary ({cfg.model}, drafter {cfg.drafter}, gamma {cfg.gamma}, {cfg.max_new_tokens} new tokens, batch 1)")
+    print(f"\nSummary ({cfg.model}, drafter {cfg.drafter}, gamma {cfg.gamma}, {cfg.inputs.max_new_tokens} new tokens, "
+          "batch 1)")
     print(f"{'prompt':<16} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tok/round':>9} {'accept':>7}  same")
     for r in rows:
         same = {True: "yes", False: "tie" if r["tie_aware_equal"] else "NO", None: "-"}[r["identical"]]

@@ -12,11 +12,9 @@ import pathlib
 import jax
 from tqdm import tqdm
 
-from specdec_jax.config import RunConfig, sampling_params
+from specdec_jax.config import RunConfig, run_config
 from specdec_jax.data import BUILTIN_PROMPTS, load_prompts_file
-from specdec_jax.datastore import OUTPUTS, OUTPUTS_CAPACITY, load_datastore
-from specdec_jax.drafters import ModelDrafter, NgramDrafter, RetrievalDrafter, oracle_drafter
-from specdec_jax.drafters.heads import head_kind, load_head
+from specdec_jax.drafters.table import drafter_spec
 from specdec_jax.engine import generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import load_model
@@ -24,49 +22,31 @@ from specdec_jax.sharding import make_mesh, place_model
 
 
 def build_drafter(cfg: RunConfig, target, mesh=None):
-    """The drafter the config names (None for plain decoding); a draft model goes onto `mesh` (`place_model`)."""
+    """The drafter the config names, built by its entry of the table of drafters (`drafters.table`);
+    None for plain decoding. A draft model goes onto `mesh` (`place_model`)."""
     if cfg.effective_gamma == 0:
         return None
-    if cfg.drafter == "ngram":
-        return NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min, tree=cfg.tree_shape)
-    if cfg.drafter == "retrieval":  # one device only: RetrievalDrafter.check refuses a mesh
-        fixed = [s for s in cfg.datastore if s != OUTPUTS]
-        store = load_datastore(fixed, target.tokenizer) if fixed else None
-        return RetrievalDrafter.from_datastore(store, outputs=OUTPUTS_CAPACITY if OUTPUTS in cfg.datastore else 0,
-                                               lookup=NgramDrafter(max_n=cfg.ngram_max, min_n=cfg.ngram_min),
-                                               tree=cfg.tree_shape)
-    if cfg.drafter == "oracle":
-        return oracle_drafter(target.config, target.model.params(), cfg.oracle_alpha)
-    if cfg.drafter in ("eagle", "medusa"):
-        return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter, target=target), tree=cfg.tree_shape)
-    kind = head_kind(cfg.draft_model)
-    if kind is not None:
-        raise ValueError(f"{cfg.draft_model} holds a trained {kind} head, not a draft model: use --drafter {kind}")
-    draft = load_model(cfg.draft_model, dtype=cfg.dtype)
-    if cfg.draft_vocab:
-        draft = draft.with_output_vocab(cfg.draft_vocab)
-    if mesh is not None:
-        draft = place_model(draft, mesh, "the draft model")
-    return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
+    return drafter_spec(cfg.drafter).build(cfg, target, mesh)
 
 
 def constraint_tables(cfg: RunConfig, tokenizer):
     """The config's grammar constraint (--regex, --json-schema FILE) compiled for ``tokenizer``
     (`constraints.compile_constraint`, cached), or None; a schema file that cannot be read is a ValueError."""
-    if cfg.regex is None and cfg.json_schema is None:
+    regex, schema = cfg.constraint.regex, cfg.constraint.json_schema
+    if regex is None and schema is None:
         return None
     from specdec_jax.constraints import Constraint, compile_constraint
 
-    if cfg.regex is not None:
-        return compile_constraint(Constraint(regex=cfg.regex), tokenizer)
+    if regex is not None:
+        return compile_constraint(Constraint(regex=regex), tokenizer)
     try:
-        text = pathlib.Path(cfg.json_schema).read_text()
+        text = pathlib.Path(schema).read_text()
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"json_schema: cannot read {cfg.json_schema} ({err.__class__.__name__})") from None
+        raise ValueError(f"json_schema: cannot read {schema} ({err.__class__.__name__})") from None
     try:
         return compile_constraint(Constraint(json_schema=text), tokenizer)
     except ValueError as err:
-        raise ValueError(f"{cfg.json_schema}: {err}") from None
+        raise ValueError(f"{schema}: {err}") from None
 
 
 def drop_compiled_programs() -> None:
@@ -83,8 +63,9 @@ def one_device_only(cfg: RunConfig, command: str) -> None:
 
 
 def stop_ids(cfg: RunConfig, tokenizer) -> tuple[int, ...]:
-    """Token ids that end a row: the model's end tokens (none with --ignore-eos), then cfg.stop_id."""
-    return tuple(dict.fromkeys((() if cfg.ignore_eos else tuple(tokenizer.stop_ids)) + cfg.stop_id))
+    """Token ids that end a row: the model's end tokens (none with --ignore-eos), then cfg.inputs.stop_id."""
+    inputs = cfg.inputs
+    return tuple(dict.fromkeys((() if inputs.ignore_eos else tuple(tokenizer.stop_ids)) + inputs.stop_id))
 
 
 def format_rate(x: float | None) -> str:
@@ -94,9 +75,9 @@ def format_rate(x: float | None) -> str:
 
 def prompt_records(cfg: RunConfig) -> list[dict]:
     """[{"id", "prompt"}]: --prompt texts, then --prompts-file, else the built-in prompts."""
-    records = [{"id": f"prompt-{i}", "prompt": p} for i, p in enumerate(cfg.prompt)]
-    if cfg.prompts_file:
-        records += load_prompts_file(cfg.prompts_file)
+    records = [{"id": f"prompt-{i}", "prompt": p} for i, p in enumerate(cfg.inputs.prompt)]
+    if cfg.inputs.prompts_file:
+        records += load_prompts_file(cfg.inputs.prompts_file)
     return records or [dict(r) for r in BUILTIN_PROMPTS]
 
 
@@ -111,8 +92,9 @@ def encode(tokenizer, text: str, raw: bool) -> list[int]:
 
 
 def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool = True) -> dict:
-    """Generate for every prompt in batches of cfg.batch_size on the mesh cfg.mesh (default:
+    """Generate for every prompt in batches of cfg.inputs.batch_size on the mesh cfg.mesh (default:
     every device on data; the models are placed on it once, `place_model`); returns the JSON-ready report."""
+    inputs = cfg.inputs
     target = target or load_model(cfg.model, dtype=cfg.dtype)
     mesh = make_mesh(cfg.mesh)
     mesh = mesh if mesh.size > 1 else None
@@ -122,15 +104,15 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
     records = records if records is not None else prompt_records(cfg)
     tok = target.tokenizer
     grammar = constraint_tables(cfg, tok)
-    encoded = [encode(tok, r["prompt"], cfg.raw) for r in records]
+    encoded = [encode(tok, r["prompt"], inputs.raw) for r in records]
     results, parts, policies, wall = [], [], [], 0.0
-    batches = range(0, len(records), cfg.batch_size)
+    batches = range(0, len(records), inputs.batch_size)
     for start in tqdm(batches, desc=f"{cfg.drafter if cfg.effective_gamma else 'plain'} decoding",
                       unit="batch", disable=not progress, delay=0.5):  # delay: no bar before a first-batch error
-        chunk = encoded[start : start + cfg.batch_size]
+        chunk = encoded[start : start + inputs.batch_size]
         out = generate(
-            target, chunk, drafter, gamma=cfg.effective_gamma, sampling=sampling_params(cfg),
-            max_new_tokens=cfg.max_new_tokens, stop_ids=stop_ids(cfg, tok),
+            target, chunk, drafter, gamma=cfg.effective_gamma, sampling=cfg.sampling,
+            max_new_tokens=inputs.max_new_tokens, stop_ids=stop_ids(cfg, tok),
             seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh, grammars=grammar,
         )
         wall += out.wall_s
@@ -151,12 +133,12 @@ def shape_label(cfg: RunConfig) -> str:
     shape = cfg.tree_shape if cfg.gamma else None
     if shape is None:
         return f"gamma={cfg.gamma}"
-    nodes = f"auto (0-{shape.nodes})" if cfg.tree_nodes == "auto" else shape.nodes
+    nodes = f"auto (0-{shape.nodes})" if cfg.tree.nodes == "auto" else shape.nodes
     return f"tree={nodes} nodes, depth {shape.depth}" + ("" if shape.choices else f", top-{shape.topk}")
 
 
 def stats_line(report: dict) -> str:
-    m, cfg = report["metrics"], RunConfig(**report["config"])
+    m, cfg = report["metrics"], run_config(**report["config"])
     return (
         f"[{cfg.drafter if cfg.gamma else 'plain'} {shape_label(cfg)}] {m['emitted_tokens']} tokens in "
         f"{m['wall_s']:.2f}s "

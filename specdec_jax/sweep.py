@@ -102,7 +102,7 @@ def _run_points(path, keys: list[str], configs: list[RunConfig], out: pathlib.Pa
         report = run(cfg, target=target, progress=False)
         outputs = [r["tokens"] for r in report["results"]]
         record = {
-            "point": {k: getattr(cfg, k) for k in keys},
+            "point": {k: cfg.value(k) for k in keys},
             "config": cfg.to_dict(),
             "metrics": report["metrics"],
             "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),

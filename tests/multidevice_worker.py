@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from specdec_jax import engine, runner, sharding
-from specdec_jax.config import RunConfig
+from specdec_jax.config import RunConfig, run_config
 from specdec_jax.constraints import Constraint, compile_constraint
 from specdec_jax.drafters import (EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter,
                                   oracle_drafter)
@@ -134,12 +134,12 @@ def replicated_kv_heads() -> dict:
     def tokens(cfg: RunConfig) -> list[list[int]]:
         return [r["tokens"] for r in runner.run(cfg, target=target, records=records, progress=False)["results"]]
 
-    out = {"data=1": {"tokens": tokens(RunConfig(drafter="none", mesh="data=1", **common))}}
+    out = {"data=1": {"tokens": tokens(run_config(drafter="none", mesh="data=1", **common))}}
     with tempfile.TemporaryDirectory() as folder:
         save_model_dir(folder, LoadedModel(random_llama(KV_DRAFT, seed=5), KV_DRAFT, ByteTokenizer()))
         for mesh in REPLICATION_MESHES:
             placed = sharding.place_model(target, sharding.make_mesh(mesh), "the target")
-            out[mesh] = {"tokens": tokens(RunConfig(drafter="draft-model", draft_model=folder, gamma=3, mesh=mesh,
+            out[mesh] = {"tokens": tokens(run_config(drafter="draft-model", draft_model=folder, gamma=3, mesh=mesh,
                                                     **common)),
                          "kv_heads": placed.config.num_kv_heads, "wk": specs(placed.model.params()["wk"])}
     return out
@@ -151,7 +151,7 @@ def errors() -> dict:
     for model=4 ("no error" where none is raised)."""
     out = {"indivisible": "no error", "unreplicated": "no error"}
     try:
-        runner.run(RunConfig(model="tiny-random", drafter="none", mesh="data=1,model=3", raw=True, prompt=("x",)))
+        runner.run(run_config(model="tiny-random", drafter="none", mesh="data=1,model=3", raw=True, prompt=("x",)))
     except ValueError as err:
         out["indivisible"] = str(err)
     try:

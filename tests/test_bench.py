@@ -19,7 +19,7 @@ from specdec_jax import interrupts
 from specdec_jax import engine
 from specdec_jax.bench import _subsample, bench, format_report
 from specdec_jax.cli import main
-from specdec_jax.config import RunConfig
+from specdec_jax.config import run_config
 from specdec_jax.models import load_model
 from specdec_jax.runner import encode
 
@@ -37,7 +37,7 @@ def report(tmp_path_factory):
         {"question_id": 3, "category": "open", "turns": ["tell me"]},
     ]
     path.write_text("\n".join(json.dumps(x) for x in lines))
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=NEW,
+    cfg = run_config(model="tiny-random", raw=True, ignore_eos=True, prompts_file=str(path), max_new_tokens=NEW,
                     gamma=4)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench_module, "time_target_pass", lambda run, width: T_BY_WIDTH[width])
@@ -95,7 +95,7 @@ def test_report_has_categories_and_cost_model(report):
 def test_cost_model_times_each_piece_with_donated_caches():
     """The real timers run the engine's pieces (target pass at each verify width, draft step) with
     their caches donated and fed back; each gives a positive time."""
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
+    cfg = run_config(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
     costs = bench_module.cost_model(H.target(), H.ngram(), 4, [H.RAGGED[2]], 64, cfg)
     assert costs["verify_widths"] == [1, 5] and all(t > 0 for t in costs["T_by_width"]) and costs["Td"] > 0
     assert (costs["T1"], costs["Tv"]) == tuple(costs["T_by_width"])
@@ -119,7 +119,7 @@ def test_auto_cost_model_charges_each_width_its_own_drafting(tmp_path, monkeypat
         return {k: scale(v) if k in ("T1", "verify_s", "draft_s") else v for k, v in costs.items()}
 
     monkeypatch.setattr(engine, "calibrated_costs", slowed)
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
+    cfg = run_config(model="tiny-random", raw=True, ignore_eos=True, max_new_tokens=NEW)
     costs = bench_module.cost_model(H.target(), H.ngram(), "auto", [H.RAGGED[2]], 64, cfg)
     assert costs["verify_widths"] == [1, 2, 3, 4, 5] and len(costs["T_by_width"]) == len(costs["D_by_width"]) == 5
     assert all(t > 0 for t in costs["T_by_width"])
@@ -189,7 +189,7 @@ def test_bench_of_a_tree_reports_depths_and_nodes(drafter, tmp_path):
     """A tree of 6 nodes, depth 3, top-2 from each tree drafter: the report's accepted-depth counts
     cover every round and match the per-depth counts, acceptance is by depth (no position past the
     tree's depth is proposed), nodes per round are the drafts per round, and output equals plain."""
-    cfg = RunConfig(model="tiny-random", raw=True, ignore_eos=True, prompt=("abc abc abc abc abc abc",),
+    cfg = run_config(model="tiny-random", raw=True, ignore_eos=True, prompt=("abc abc abc abc abc abc",),
                     max_new_tokens=NEW, tree_depth=3, tree_topk=2, drafter=drafter, **TREE_DRAFTERS[drafter](tmp_path))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench_module, "time_target_pass", lambda run, width: {1: 0.010, 7: 0.030}[width])
@@ -210,7 +210,7 @@ def test_bench_of_a_tree_reports_depths_and_nodes(drafter, tmp_path):
 
 def test_bench_under_a_regex_compares_constrained_runs():
     """--regex reaches both of bench's runs (its compile run too: a budget the shortest match fits)."""
-    cfg = RunConfig(model="tiny-random", raw=True, prompt=("abc abc abc",), max_new_tokens=16, gamma=4,
+    cfg = run_config(model="tiny-random", raw=True, prompt=("abc abc abc",), max_new_tokens=16, gamma=4,
                     regex=r"[a-c]{2,4}( [a-c]{2,4})+")
     report = bench(cfg, repeats=1, progress=False)
     row = report["batches"][0]

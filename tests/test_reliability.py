@@ -16,7 +16,7 @@ import pytest
 import engine_helpers as H
 from specdec_jax import engine, files
 from specdec_jax.cli import main
-from specdec_jax.config import RunConfig, load_yaml, resolve
+from specdec_jax.config import load_yaml, resolve, run_config
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.data import Dataset
 from specdec_jax.distill.train import read_log
@@ -252,9 +252,9 @@ def test_ints_are_numbers_and_lists_are_tuples(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("temperature: 1\nprompt: [a, b]\nstop_id: 3\n")
     cfg = resolve(load_yaml(path), {})
-    assert cfg.temperature == 1.0 and isinstance(cfg.temperature, float)
-    assert cfg.prompt == ("a", "b") and cfg.stop_id == (3,)
-    assert RunConfig(prompt=["x"]).prompt == ("x",)
+    assert cfg.sampling.temperature == 1.0 and isinstance(cfg.sampling.temperature, float)
+    assert cfg.inputs.prompt == ("a", "b") and cfg.inputs.stop_id == (3,)
+    assert run_config(prompt=["x"]).inputs.prompt == ("x",)
 
 
 @pytest.mark.parametrize("text, message", [

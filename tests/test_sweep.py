@@ -1,7 +1,8 @@
-"""Configs and sweeps: every file in configs/ runs, sweeps write their record and resume, reruns repeat."""
+"""Configs and sweeps: flat keys and flags build the nested config, every file in configs/ runs, sweeps write
+their record and resume, reruns repeat."""
 
 import csv
-import dataclasses
+import itertools
 import json
 import pathlib
 
@@ -9,9 +10,10 @@ import jax
 import pytest
 
 import engine_helpers as H
-from specdec_jax import runner
+from specdec_jax import cli, runner
 from specdec_jax.cli import main
-from specdec_jax.config import load_yaml, resolve
+from specdec_jax.config import ConstraintSettings, DrafterSettings, Inputs, TreeSettings, load_yaml, resolve, run_config
+from specdec_jax.sampling import SamplingParams
 from specdec_jax.sweep import load_sweep, sweep
 from specdec_jax.tree import load_choices
 
@@ -25,7 +27,7 @@ def smoke(cfg, tmp_path):
     """The config on tiny-random with a tiny budget (draft models become tiny-random-draft, EAGLE and
     Medusa heads random heads for tiny-random, a retrieval datastore a folder of one small file)."""
     changes = dict(SMOKE)
-    if cfg.datastore:
+    if cfg.drafting.datastore:
         (tmp_path / "docs").mkdir()
         (tmp_path / "docs" / "notes.txt").write_text("hi there, abcabc again")
         changes["datastore"] = (str(tmp_path / "docs"),)
@@ -33,7 +35,7 @@ def smoke(cfg, tmp_path):
         changes["draft_model"] = H.random_head(cfg.drafter, tmp_path / "head")
     elif cfg.draft_model:
         changes["draft_model"] = "tiny-random-draft"
-    return dataclasses.replace(cfg, **changes)
+    return cfg.updated(**changes)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
@@ -44,11 +46,77 @@ def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path, tmp_path, m
         cfg = configs[-1]
     else:
         cfg = resolve(load_yaml(path), {}, where=str(path))
-    if cfg.datastore:
+    if cfg.drafting.datastore:
         monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the folder's index
     report = runner.run(smoke(cfg, tmp_path), progress=False)
     assert [len(r["tokens"]) for r in report["results"]] == [3, 3]
     assert report["config"]["drafter"] == cfg.drafter and report["config"]["gamma"] == cfg.gamma
+
+
+FLAT = {"model": "tiny-random", "dtype": "bfloat16", "drafter": "draft-model", "draft_model": "tiny-random-draft",
+        "gamma": 3, "seed": 5, "mesh": "data=1", "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.125,
+        "repetition_penalty": 1.25, "presence_penalty": 0.5, "frequency_penalty": -0.25, "prompt": ["a", "b c"],
+        "prompts_file": "p.jsonl", "raw": True, "batch_size": 2, "max_new_tokens": 9, "ignore_eos": True,
+        "stop_id": [3, 0], "draft_vocab": 100, "oracle_alpha": 0.5, "ngram_max": 4, "ngram_min": 1,
+        "regex": "a+"}
+TREE_FLAT = {"drafter": "retrieval", "datastore": ["sharegpt", "outputs"], "tree_nodes": 5, "tree_depth": 3,
+             "tree_topk": 2, "json_schema": "s.json"}
+
+
+def as_flags(values: dict) -> list[str]:
+    """Command-line flags giving ``values`` (a list: the flag repeated; True: the flag alone)."""
+    argv = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            argv += [flag] if item is True else [flag, str(item)]
+    return argv
+
+
+@pytest.mark.parametrize("values", [FLAT, TREE_FLAT], ids=["chain", "tree"])
+def test_flat_yaml_keys_and_flags_build_the_same_nested_config(tmp_path, values):
+    """Every flat key, given in a YAML file or as a flag, lands in its group; `to_dict` gives the flat keys back."""
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(values))  # JSON is YAML
+    from_file = resolve(load_yaml(path), {}, str(path))
+    from_flags = cli.config_from_args(cli.build_parser().parse_args(["generate", *as_flags(values)]))
+    assert from_file == from_flags == run_config(**values)
+    assert {k: v for k, v in from_file.to_dict().items() if k in values} == values
+    if values is FLAT:
+        assert (from_file.model, from_file.dtype, from_file.drafter, from_file.draft_model, from_file.gamma,
+                from_file.seed, from_file.mesh) == ("tiny-random", "bfloat16", "draft-model", "tiny-random-draft", 3,
+                                                    5, "data=1")
+        assert from_file.sampling == SamplingParams(0.7, 5, 0.9, 0.125, 1.25, 0.5, -0.25)
+        assert from_file.inputs == Inputs(("a", "b c"), "p.jsonl", True, 2, 9, True, (3, 0))
+        assert from_file.drafting == DrafterSettings(100, 0.5, 4, 1, ())
+        assert from_file.constraint == ConstraintSettings(regex="a+") and from_file.tree == TreeSettings()
+    else:
+        assert from_file.tree == TreeSettings(nodes=5, depth=3, topk=2)
+        assert from_file.drafting.datastore == ("sharegpt", "outputs") and from_file.effective_gamma == 5
+        assert from_file.constraint == ConstraintSettings(json_schema="s.json")
+
+
+def test_a_bad_value_names_the_flag_or_the_file_it_came_from(tmp_path):
+    """The error's keys (not its message) say where the value came from; plain decoding records gamma 0."""
+    path = tmp_path / "run.yaml"
+    path.write_text("drafter: oracle\ntop_p: 0.5\n")
+    with pytest.raises(ValueError, match=rf"^{path}: top_p must be in \(0, 1\], got 0.0"):
+        resolve({**load_yaml(path), "top_p": 0.0}, {"temperature": 0.5}, str(path))
+    with pytest.raises(ValueError, match=r"^flags: top_p must be in \(0, 1\], got 0.0"):
+        resolve(load_yaml(path), {"top_p": 0.0}, str(path))
+    with pytest.raises(ValueError, match=r"^flags: the oracle drafter drafts chains only"):
+        resolve(load_yaml(path), {"tree_depth": 3}, str(path))
+    assert run_config(drafter="none", gamma=4).gamma == 0 == run_config(drafter="none").to_dict()["gamma"]
+
+
+def test_stop_id_in_a_config_file_is_an_id_or_a_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    for text, want in (("stop_id: 7\n", (7,)), ("stop-id: [7, 0]\n", (7, 0))):
+        path.write_text(text)
+        assert resolve(load_yaml(path), {}, str(path)).inputs.stop_id == want
+    path.write_text("stop_id: [7, -1]\n")
+    with pytest.raises(ValueError, match=rf"{path}: stop_id must be token ids \(ints >= 0\), got \[7, -1\]"):
+        resolve(load_yaml(path), {}, str(path))
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("trees/*.json")), ids=lambda p: p.name)
@@ -60,6 +128,31 @@ def test_every_tree_choices_file_is_a_tree_for_its_heads(path):
     assert all(c[:-1] in choices for c in choices if len(c) > 1)
     heads = int(path.stem.split("_")[1].removesuffix("heads"))
     assert shape.depth <= heads and shape.nodes == len(choices) == int(path.stem.split("_")[2])
+
+
+ROOT = CONFIG_DIR.parent
+RUN_FILES = sorted(p for folder in ("configs", "experiments") for p in (ROOT / folder).rglob("*.yaml")
+                   if "drafter:" in p.read_text())
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_run_and_sweep_file_loads_its_flat_keys_unchanged(path):
+    """Each file's flat keys (a config's, or a sweep's base and grid points) read back from the nested
+    config as written: the value of each key in `to_dict`, and in its group (`RunConfig.value`)."""
+    raw = load_raw(path)
+    if "grid" in raw:
+        keys, configs = load_sweep(path)
+        given = [{**(raw.get("base") or {}), **dict(zip(keys, point))}
+                 for point in itertools.product(*raw["grid"].values())]
+    else:
+        configs, given = [resolve(load_yaml(path), {}, where=str(path))], [raw]
+    assert len(configs) == len(given)
+    for cfg, values in zip(configs, given):
+        flat = cfg.to_dict()
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            want = [value] if key in ("prompt", "stop_id") and not isinstance(value, list) else value
+            assert flat[key] == want and cfg.value(key) == (tuple(want) if isinstance(want, list) else want), key
 
 
 def load_raw(path):

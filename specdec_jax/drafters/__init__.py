@@ -1,13 +1,27 @@
-"""Drafters: n-gram prompt lookup, retrieval from a token datastore, a draft model, EAGLE and Medusa heads on the target's features,
-and the oracle (for experiments)."""
+"""Drafters: n-gram prompt lookup, retrieval from a token datastore, a draft model, EAGLE and Medusa heads on the
+target's features, and the oracle (for experiments).
+
+The protocol (`DraftContext`, `Drafter`, `DrafterBase`, `Proposal`, `drafters.base`) and the table of
+drafters (`register_drafter`, `drafters.table`) load with the package; each drafter's class loads from its
+module when first named here, so importing the protocol loads no model code.
+"""
+
+import importlib
 
 from specdec_jax.drafters.base import DraftContext, Drafter, DrafterBase, Proposal
-from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter
-from specdec_jax.drafters.heads import load_head
-from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdec_jax.drafters.model import ModelDrafter, oracle_drafter
-from specdec_jax.drafters.ngram import NgramDrafter
-from specdec_jax.drafters.retrieval import RetrievalDrafter
+from specdec_jax.drafters.table import DrafterSpec, drafter_spec, register_drafter, unregister_drafter
 
-__all__ = ["DraftContext", "Drafter", "DrafterBase", "EagleConfig", "EagleDrafter", "MedusaConfig", "MedusaDrafter",
-           "ModelDrafter", "NgramDrafter", "Proposal", "RetrievalDrafter", "load_head", "oracle_drafter"]
+LAZY = {  # name -> the module that defines it
+    "EagleConfig": "eagle", "EagleDrafter": "eagle", "MedusaConfig": "medusa", "MedusaDrafter": "medusa",
+    "ModelDrafter": "model", "oracle_drafter": "model", "NgramDrafter": "ngram", "RetrievalDrafter": "retrieval",
+    "load_head": "heads",
+}
+
+__all__ = ["DraftContext", "Drafter", "DrafterBase", "DrafterSpec", "Proposal", "drafter_spec", "register_drafter",
+           "unregister_drafter", *LAZY]
+
+
+def __getattr__(name: str):
+    if name not in LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{LAZY[name]}"), name)
