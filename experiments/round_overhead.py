@@ -32,7 +32,7 @@ import numpy as np
 from common import RESULTS, save
 
 from specdec_jax.drafters import NgramDrafter
-from specdec_jax.engine.batching import prepare
+from specdec_jax.engine import prepare
 from specdec_jax.engine.round import decode_round
 from specdec_jax.engine.shape import ShapePolicy
 from specdec_jax.engine.calibration import CALIBRATION_PROMPT, CALIBRATION_ROUNDS

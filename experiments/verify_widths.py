@@ -21,7 +21,7 @@ import numpy as np
 
 from common import RESULTS, markdown_table, save
 from specdec_jax.drafters.ngram import NgramDrafter
-from specdec_jax.engine.batching import prepare
+from specdec_jax.engine import prepare
 from specdec_jax.engine.calibration import time_target_pass
 from specdec_jax.models import load_model
 

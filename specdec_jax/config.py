@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import yaml
 
 from specdec_jax.drafters.table import PLAIN, drafter_names, drafter_spec, drafters, names_where
-from specdec_jax.engine.batching import AUTO, MAX_NEW_TOKENS
+from specdec_jax.engine.request import AUTO, MAX_NEW_TOKENS
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models.llama import DTYPES
 from specdec_jax.rng import SEED_LIMIT

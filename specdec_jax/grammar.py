@@ -138,10 +138,10 @@ def allowed(grammar: DeviceGrammar, states: jax.Array, remaining: jax.Array | No
     """``bool[..., V]``: the tokens allowed in ``states`` (i32[...]; DEAD counts as FREE); with
     ``remaining`` (i32[...], tokens that may follow), only those from whose next state a match is
     that near, unless none is (module docstring)."""
-    rows = grammar.next_state[jnp.where(states == DEAD, FREE, states)]  # i32[..., C]
-    ok = rows >= 0
+    successors = grammar.next_state[jnp.where(states == DEAD, FREE, states)]  # i32[..., C] per token class
+    ok = successors >= 0
     if remaining is not None:
-        near = ok & (grammar.distance[jnp.maximum(rows, 0)] <= remaining[..., None])
+        near = ok & (grammar.distance[jnp.maximum(successors, 0)] <= remaining[..., None])
         ok = jnp.where(jnp.any(near, axis=-1, keepdims=True), near, ok)
     return jnp.take(ok, grammar.token_class, axis=-1)
 
@@ -150,20 +150,21 @@ def finished(grammar: DeviceGrammar, states: jax.Array, remaining: jax.Array) ->
     """``bool[...]``: rows in ``states`` (i32[...]) that may still emit ``remaining`` (i32[...]) tokens
     but end here: the text is a whole match and no text token (a stop token aside) leads to one within
     the budget. Never for the free grammar, nor once the budget is spent (that stop is the length's)."""
-    rows = grammar.next_state[jnp.maximum(states, 0)]  # i32[..., C]
-    fits = (rows >= 0) & ~grammar.stop_class & (grammar.distance[jnp.maximum(rows, 0)] <= remaining[..., None] - 1)
+    successors = grammar.next_state[jnp.maximum(states, 0)]  # i32[..., C] per token class
+    fits = ((successors >= 0) & ~grammar.stop_class
+            & (grammar.distance[jnp.maximum(successors, 0)] <= remaining[..., None] - 1))
     return grammar.accepting[jnp.maximum(states, 0)] & (states != DEAD) & (remaining > 0) & ~jnp.any(fits, axis=-1)
 
 
-def advance_run(rows: RowGrammar, tokens: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The states after the first ``count[b]`` tokens of ``tokens`` (i32[B,K]) from ``rows.states``,
+def advance_run(constraint: RowGrammar, tokens: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The states after the first ``count[b]`` tokens of ``tokens`` (i32[B,K]) from ``constraint.states``,
     and i32[B] the length of the run cut after its first token where the row is `finished`."""
-    states, cut = rows.states, count
+    states, cut = constraint.states, count
     for j in range(tokens.shape[1]):
-        moved = advance(rows.tables, states, tokens[:, j])
+        moved = advance(constraint.tables, states, tokens[:, j])
         take = j < cut
         states = jnp.where(take, moved, states)
-        cut = jnp.where(take & finished(rows.tables, moved, rows.budget - j - 1), j + 1, cut)
+        cut = jnp.where(take & finished(constraint.tables, moved, constraint.budget - j - 1), j + 1, cut)
     return states, cut
 
 

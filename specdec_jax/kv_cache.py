@@ -32,8 +32,8 @@ def ordered_read(read, cache: "KVCache"):
     """``read(cache)`` (a pass that reads the cache and returns a `KVBlock` to write later) inside a
     conditional whose predicate is never false. A top-level read followed by `KVCache.write_block`
     made XLA (CPU) copy every layer's buffers so that the in-place write could not overtake the
-    reads (a plain decoding round at batch 16: 71 ms, 48 ms in a conditional); a conditional's
-    reads are all done before anything after it runs."""
+    reads (docs/design.md section 3 has the cost); a conditional's reads are all done before
+    anything after it runs."""
     always = jnp.all(cache.lengths >= 0)
     return jax.lax.cond(always, read, read, cache)
 
@@ -105,19 +105,20 @@ class KVCache:
         block back into range and overwrite committed entries). ``lengths`` is unchanged.
         """
         batch, steps = new_k.shape[:2]
-        rows = jnp.arange(batch)[:, None]  # i32[B,1]
+        batch_index = jnp.arange(batch)[:, None]  # i32[B,1]
         slots = self.lengths[:, None] + jnp.arange(steps)[None, :]  # i32[B,S]
 
-        # (row, slot) index pairs with [Hkv,D] windows: one scatter index per token, not per element
-        # (30 layers, batch 16, 5 tokens, timed alone on a 2-core CPU: 0.53 ms against 1.00).
+        # (row, slot) index pairs with [Hkv,D] windows: one scatter index per token, not per element,
+        # so the scatter's index work grows with the tokens written, not with their elements
+        # (docs/design.md section 3).
         def put(buffers: tuple[jax.Array, ...], index: tuple, values: jax.Array) -> tuple[jax.Array, ...]:
             buf = buffers[layer].at[index].set(values.astype(buffers[layer].dtype), mode="drop",
                                                wrap_negative_indices=False)
             return buffers[:layer] + (buf,) + buffers[layer + 1:]
 
         # Advanced indices split by slices put their [B,S] axes first: the updates are [B,S,Hkv,D].
-        return self.replace(k=put(self.k, (rows, slice(None), slots, slice(None)), new_k),
-                            v=put(self.v, (rows, slice(None), slice(None), slots), new_v))
+        return self.replace(k=put(self.k, (batch_index, slice(None), slots, slice(None)), new_k),
+                            v=put(self.v, (batch_index, slice(None), slice(None), slots), new_v))
 
     def write_block(self, block: KVBlock) -> KVCache:
         """Every layer's block keys/values written at slots ``lengths[b] + s`` (as :meth:`write`)."""

@@ -54,6 +54,14 @@ def for_purpose(keys: jax.Array, purpose: Purpose) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, int(purpose)))(flat).reshape(keys.shape)
 
 
+def accept_uniforms(keys: jax.Array) -> jax.Array:
+    """f32 of ``keys``' shape: one uniform draw in [tiny, 1) per key (``keys`` already tagged
+    `Purpose.ACCEPT`). Never 0, so the accept test ``u * q < p`` never accepts a token of p = 0."""
+    tiny = jnp.finfo(jnp.float32).tiny
+    flat = keys.reshape(-1)
+    return jax.vmap(lambda k: jax.random.uniform(k, minval=tiny, maxval=1.0))(flat).reshape(keys.shape)
+
+
 def check_keys(keys: jax.Array, shape: tuple[int, ...], what: str = "keys") -> jax.Array:
     """ValueError unless ``keys`` is an array of typed PRNG keys of ``shape``."""
     if not isinstance(keys, jax.Array) or not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):

@@ -172,8 +172,9 @@ class PenaltyCounts(NamedTuple):
 
     def add(self, ids: jax.Array) -> PenaltyCounts:
         """One more occurrence of token ``ids[b]`` i32[B] in both counts (f32[B,V] counts)."""
-        rows = jnp.arange(ids.shape[0])
-        return PenaltyCounts(self.context.at[rows, ids].add(1.0), self.generated.at[rows, ids].add(1.0))
+        batch_index = jnp.arange(ids.shape[0])
+        return PenaltyCounts(self.context.at[batch_index, ids].add(1.0),
+                             self.generated.at[batch_index, ids].add(1.0))
 
     def take(self, ids: jax.Array) -> PenaltyCounts:
         """The counts of the tokens ``ids`` i32[Vo] only (a reduced draft vocabulary), f32[B,Vo]."""
@@ -183,25 +184,24 @@ class PenaltyCounts(NamedTuple):
 def first_argmax(x: jax.Array) -> jax.Array:
     """i32[...]: the first index of the largest entry along the last axis, as ``jnp.argmax``
     (NaN aside). Computed as a max, then the least index holding it: two plain reductions, where
-    XLA CPU's one-pass argmax (a variadic reduce) is 4-5x slower (f32[16,5,49152]: 9.6 vs 3.7 ms
-    here, f32[1,5,49152]: 0.76 vs 0.20 ms)."""
+    XLA CPU's one-pass argmax (a variadic reduce) is slower (docs/design.md section 6)."""
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where(x == top, index, x.shape[-1] - 1), axis=-1)
 
 
-def penalize(logits: jax.Array, rows: RowSampling, counts: PenaltyCounts | None = None) -> jax.Array:
+def penalize(logits: jax.Array, sampling: RowSampling, counts: PenaltyCounts | None = None) -> jax.Array:
     """f32 logits after the repetition, presence and frequency penalties (the first step of
     `process_logits`; its argmax is a greedy row's token); arguments as there."""
     x = logits.astype(jnp.float32)
-    if not rows.use_penalties:
+    if not sampling.use_penalties:
         return x
     if counts is None:
         raise ValueError("rows use penalties, so process_logits needs counts")
-    rp = _per_row(rows.repetition_penalty, x.ndim)
+    rp = _per_row(sampling.repetition_penalty, x.ndim)
     x = jnp.where(counts.context > 0, jnp.where(x > 0, x / rp, x * rp), x)
-    return (x - _per_row(rows.presence_penalty, x.ndim) * (counts.generated > 0)
-            - _per_row(rows.frequency_penalty, x.ndim) * counts.generated)
+    return (x - _per_row(sampling.presence_penalty, x.ndim) * (counts.generated > 0)
+            - _per_row(sampling.frequency_penalty, x.ndim) * counts.generated)
 
 
 def _per_row(a: jax.Array, ndim: int) -> jax.Array:
@@ -210,17 +210,17 @@ def _per_row(a: jax.Array, ndim: int) -> jax.Array:
 
 
 def process_logits(
-    logits: jax.Array, rows: RowSampling, counts: PenaltyCounts | None = None
+    logits: jax.Array, sampling: RowSampling, counts: PenaltyCounts | None = None
 ) -> jax.Array:
     """Turn logits into the processed law; each row sums to 1.
 
     Args:
       logits: f32[B,S,V] (any float dtype; computed in f32). Middle axes are
         free: f32[B,V] works too, with `counts` of the same shape.
-      rows: per-row settings, `RowSampling` with batch B.
+      sampling: per-row settings, `RowSampling` with batch B.
       counts: `PenaltyCounts` of arrays shaped like `logits`: how often each
         token occurs in the context (and among generated tokens) that position
-        s conditions on. Needed only when `rows.use_penalties`.
+        s conditions on. Needed only when `sampling.use_penalties`.
 
     Returns:
       f32[B,S,V] probabilities. Masked tokens are exactly 0. Greedy rows
@@ -231,48 +231,53 @@ def process_logits(
     at a threshold can keep more than k tokens / more mass than needed. This
     makes the mask a function of the values alone, independent of sort order.
     """
-    x = penalize(logits, rows, counts)
-    vocab = x.shape[-1]
-    per_row = lambda a: _per_row(a, x.ndim)
-    greedy = jax.nn.one_hot(first_argmax(x), vocab, dtype=jnp.float32)
-    if not rows.any_sampled:
+    x = penalize(logits, sampling, counts)
+    greedy = jax.nn.one_hot(first_argmax(x), x.shape[-1], dtype=jnp.float32)
+    if not sampling.any_sampled:
         return greedy
 
     # Shift so the max is 0 before dividing: tiny temperatures then underflow
     # to -inf (probability 0) instead of overflowing to inf - inf = nan.
-    is_greedy = per_row(rows.temperature == 0)
+    is_greedy = _per_row(sampling.temperature == 0, x.ndim)
     x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(
-        is_greedy, 1.0, per_row(rows.temperature)
+        is_greedy, 1.0, _per_row(sampling.temperature, x.ndim)
     )
-
-    if rows.use_top_k or rows.use_top_p:
-        desc = jnp.sort(x, axis=-1, descending=True)  # f32[B,S,V]
-        index_shape = desc.shape[:-1] + (1,)
-
-        def nth_largest(n):  # n: i32[B,S,1] (1-based) -> f32[B,S,1]
-            return jnp.take_along_axis(desc, jnp.clip(n - 1, 0, vocab - 1), axis=-1)
-
-        if rows.use_top_k:
-            k = per_row(rows.top_k)
-            kth = nth_largest(jnp.broadcast_to(k, index_shape))
-            x = jnp.where((k <= 0) | (x >= kth), x, -jnp.inf)
-            desc = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
-
-        if rows.use_top_p:
-            top_p = per_row(rows.top_p)
-            sorted_probs = jax.nn.softmax(desc, axis=-1)
-            mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-            n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-            # top_p == 1 must keep everything even where the f32 cumsum reaches
-            # 1 before the tail does.
-            x = jnp.where((top_p >= 1) | (x >= nth_largest(n_keep)), x, -jnp.inf)
-
-    if rows.use_min_p:
+    x = _top_k_top_p(x, sampling)
+    if sampling.use_min_p:
         # The top token survives top-k and top-p and x's max is 0, so
         # exp(x) = prob / max prob.
-        x = jnp.where(jnp.exp(x) >= per_row(rows.min_p), x, -jnp.inf)
+        x = jnp.where(jnp.exp(x) >= _per_row(sampling.min_p, x.ndim), x, -jnp.inf)
 
     return jnp.where(is_greedy, greedy, jax.nn.softmax(x, axis=-1))
+
+
+def _top_k_top_p(x: jax.Array, sampling: RowSampling) -> jax.Array:
+    """``x`` f32[B,S,V] (tempered logits, max 0) with -inf outside each row's top-k and top-p sets
+    (the tie rules of `process_logits`); unchanged when no row uses either."""
+    if not (sampling.use_top_k or sampling.use_top_p):
+        return x
+    vocab = x.shape[-1]
+    desc = jnp.sort(x, axis=-1, descending=True)  # f32[B,S,V]
+    index_shape = desc.shape[:-1] + (1,)
+
+    def nth_largest(n):  # n: i32[B,S,1] (1-based) -> f32[B,S,1]
+        return jnp.take_along_axis(desc, jnp.clip(n - 1, 0, vocab - 1), axis=-1)
+
+    if sampling.use_top_k:
+        k = _per_row(sampling.top_k, x.ndim)
+        kth = nth_largest(jnp.broadcast_to(k, index_shape))
+        x = jnp.where((k <= 0) | (x >= kth), x, -jnp.inf)
+        desc = jnp.where((k <= 0) | (desc >= kth), desc, -jnp.inf)
+
+    if sampling.use_top_p:
+        top_p = _per_row(sampling.top_p, x.ndim)
+        sorted_probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+        # top_p == 1 must keep everything even where the f32 cumsum reaches
+        # 1 before the tail does.
+        x = jnp.where((top_p >= 1) | (x >= nth_largest(n_keep)), x, -jnp.inf)
+    return x
 
 
 def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int, start: jax.Array | None = None) -> jax.Array:
@@ -293,10 +298,10 @@ def token_counts(tokens: jax.Array, length: jax.Array, vocab_size: int, start: j
     valid = index < length[:, None]  # bool[B,L]
     if start is not None:
         valid &= index >= start[:, None]
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], tokens.shape)
+    batch_index = jnp.broadcast_to(jnp.arange(batch)[:, None], tokens.shape)
     return (
         jnp.zeros((batch, vocab_size), jnp.float32)
-        .at[rows, jnp.where(valid, tokens, 0)]
+        .at[batch_index, jnp.where(valid, tokens, 0)]
         .add(valid.astype(jnp.float32))
     )
 
@@ -327,14 +332,16 @@ def position_counts(history_counts: jax.Array, drafts: jax.Array, ancestors: jax
     return history_counts[:, None, :] + seen
 
 
-def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One draw per row from a processed law.
+def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One draw per row from a law: the categorical draw of every sampler in the package (drafts,
+    corrections, bonus tokens), so that a row's key decides its token the same way everywhere.
 
     Args:
-      key: key[B], one key per row (e.g. `jax.random.split(key, B)`).
-      probs: f32[B,V], a law from `process_logits`; zero entries are never drawn.
+      keys: key[B], one key per row (e.g. `specdec_jax.rng.for_purpose` of its position's key).
+      probs: f32[B,V], a law (`process_logits`, or a verification residual); zero entries are
+        never drawn.
 
     Returns:
       i32[B] token ids.
     """
-    return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)

@@ -22,14 +22,14 @@ may be traced. Both rules return a `VerifyResult`; row b emits
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.rng import Purpose, check_keys, for_purpose
+from specdec_jax.rng import Purpose, accept_uniforms, check_keys, for_purpose
+from specdec_jax.sampling import sample
 
 
 class VerifyResult(NamedTuple):
@@ -80,10 +80,7 @@ def verify_stochastic(
     draft, target_probs, num_draft = _check_shapes(draft, target_probs, num_draft)
     batch, gamma = draft.shape
     keys = check_keys(keys, (batch, gamma + 1))
-    # u in [tiny, 1): never 0, so a draft the target gives probability 0 is never accepted.
-    tiny = jnp.finfo(jnp.float32).tiny
-    accept_keys = for_purpose(keys[:, :gamma], Purpose.ACCEPT).reshape(-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, minval=tiny, maxval=1.0))(accept_keys).reshape(batch, gamma)
+    u = accept_uniforms(for_purpose(keys[:, :gamma], Purpose.ACCEPT))  # f32[B,G] in [tiny, 1)
 
     p_draft = _take_token(target_probs[:, :-1], draft)  # f32[B,G]
     if draft_probs is None:
@@ -99,7 +96,7 @@ def verify_stochastic(
     residual = jnp.where(rejected_at_m, jnp.maximum(p_last - q_last, 0.0), p_last)
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_last)
     residual_keys = for_purpose(jnp.take_along_axis(keys, n_accepted[:, None], axis=1)[:, 0], Purpose.RESIDUAL)
-    last = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(residual_keys, residual)
+    last = sample(residual_keys, residual)
 
     positions = jnp.arange(gamma + 1)
     padded_draft = jnp.pad(draft, ((0, 0), (0, 1)))

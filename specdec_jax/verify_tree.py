@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax import tree
-from specdec_jax.rng import Purpose, check_keys, for_purpose, with_sub_index
+from specdec_jax.rng import Purpose, accept_uniforms, check_keys, for_purpose, with_sub_index
+from specdec_jax.sampling import sample
 from specdec_jax.verify import VerifyResult, truncate_run
 
 
@@ -101,28 +102,26 @@ def verify_tree_stochastic(keys, tokens, parents, valid, draft_probs, target_pro
     keys = check_keys(keys, (batch, nodes + 1))
     depth = tree.structure(parents)[0][:, 1:]
     node_keys = jnp.take_along_axis(keys, jnp.maximum(depth - 1, 0), axis=1)
-    accept_keys = with_sub_index(for_purpose(node_keys, Purpose.ACCEPT), tree.sibling_rank(parents)).reshape(-1)
-    tiny = jnp.finfo(jnp.float32).tiny  # u in [tiny, 1): a token of r(x) = 0 is never accepted
-    uniforms = jax.vmap(lambda k: jax.random.uniform(k, minval=tiny, maxval=1.0))(accept_keys).reshape(batch, nodes)
-    rows = jnp.arange(batch)
+    uniforms = accept_uniforms(with_sub_index(for_purpose(node_keys, Purpose.ACCEPT), tree.sibling_rank(parents)))
+    batch_index = jnp.arange(batch)
 
     def visit(carry, c):
         current, r, s, fresh, n, path = carry
         x = tokens[:, c]
         is_child = valid[:, c] & (parents[:, c] + 1 == current)
-        r_x = r[rows, x]
+        r_x = r[batch_index, x]
         if draft_probs is None:
             accepted = uniforms[:, c] * r.sum(-1) < r_x
-            r_rejected = r.at[rows, x].set(0.0)
+            r_rejected = r.at[batch_index, x].set(0.0)
         else:
             law = draft_probs[:, c]
             if without_replacement:
                 law = jnp.where(fresh[:, None], law, s)
-            s_x = law[rows, x]
+            s_x = law[batch_index, x]
             accepted = (s_x > 0) & (uniforms[:, c] * s_x < r_x)
             r_rejected = _normalized(jnp.maximum(r - law, 0.0), fallback=r)
             if without_replacement:
-                s = jnp.where(is_child[:, None], _normalized(law.at[rows, x].set(0.0), fallback=law), s)
+                s = jnp.where(is_child[:, None], _normalized(law.at[batch_index, x].set(0.0), fallback=law), s)
         take, drop = is_child & accepted, is_child & ~accepted
         r = jnp.where(take[:, None], target_probs[:, c + 1], jnp.where(drop[:, None], r_rejected, r))
         path = jnp.where(take[:, None] & (jnp.arange(nodes)[None, :] == n[:, None]), c, path)
@@ -133,7 +132,7 @@ def verify_tree_stochastic(keys, tokens, parents, valid, draft_probs, target_pro
              jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.full((batch, nodes), -1, jnp.int32))
     (_, r, _, _, n_accepted, path), _ = jax.lax.scan(visit, start, jnp.arange(nodes))
     residual_keys = for_purpose(jnp.take_along_axis(keys, n_accepted[:, None], axis=1)[:, 0], Purpose.RESIDUAL)
-    final = jax.vmap(lambda k, law: jax.random.categorical(k, jnp.log(law)))(residual_keys, r)
+    final = sample(residual_keys, r)
     return truncate_run(_emitted(tokens, path, n_accepted, final[:, None]), n_accepted, stop_ids, budget, path)
 
 

@@ -262,6 +262,26 @@ def rebuild_cache(config: LlamaConfig, params, tokens: np.ndarray, capacity: int
     return tuple(np.asarray(a) for a in cache.stacked())
 
 
+def assert_caches_rebuilt(run: HandRun, state: engine.DecodeState, drafter=None) -> None:
+    """Asserts the cache invariant after a round (``state``: `host` of ``run.state``): every real row's
+    target cache holds its committed tokens but the newest (lengths = num_tokens - 1), each slot equal
+    to a fresh prefill of those tokens; with a draft-model ``drafter``, its cache too, on the slots it
+    trusts (all but the newest two: it rewrites slot n - 2 at the start of its next round)."""
+    capacity = run.spec.capacity
+    committed = np.where(np.arange(capacity)[None] < state.num_tokens[:, None], state.tokens[:, :capacity], 0)
+    caches = [(state.cache, target().config, run.target_params, 1)]
+    if drafter is not None:
+        caches.append((state.drafter_state, drafter.config, drafter.params, 2))
+    for cache, config, params, untrusted in caches:
+        expected = rebuild_cache(config, params, committed, capacity)
+        for b in range(run.num_rows):
+            kept = max(int(state.num_tokens[b]) - untrusted, 0)
+            for got, want in zip(cache.stacked(), expected):
+                np.testing.assert_allclose(got[:, b, :kept], want[:, b, :kept], rtol=1e-5, atol=1e-5)
+    for b in range(run.num_rows):
+        assert int(state.cache.lengths[b]) == int(state.num_tokens[b]) - 1
+
+
 TEACHER_WIDTH = 128  # one compile for every teacher-forced sequence (prompt + output <= 128)
 
 

@@ -205,22 +205,9 @@ def test_one_trace_for_prompt_lengths_in_one_bucket(monkeypatch, caplog):
 def test_rollback_leaves_caches_equal_to_fresh_prefill():
     drafter = H.model_drafter()
     run = H.prepare(H.RAGGED, drafter, gamma=H.GAMMA, eos=H.eos_id())
-    tcfg, dcfg = H.target().config, drafter.config
-    capacity = run.spec.capacity
     for _ in range(6):
         run.round()
-        s = H.host(run.state)
-        committed = np.where(np.arange(capacity)[None] < s.num_tokens[:, None], s.tokens[:, :capacity], 0)
-        tk, tv = H.rebuild_cache(tcfg, run.target_params, committed, capacity)
-        dk, dv = H.rebuild_cache(dcfg, drafter.params, committed, capacity)
-        for b in range(run.num_rows):
-            n = int(s.num_tokens[b])
-            assert int(s.cache.lengths[b]) == n - 1
-            np.testing.assert_allclose(s.cache.stacked()[0][:, b, : n - 1], tk[:, b, : n - 1], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(s.cache.stacked()[1][:, b, : n - 1], tv[:, b, : n - 1], rtol=1e-5, atol=1e-5)
-            trusted = max(n - 2, 0)  # the drafter rewrites slot n-2 at the start of its next round
-            np.testing.assert_allclose(s.drafter_state.stacked()[0][:, b, :trusted], dk[:, b, :trusted], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(s.drafter_state.stacked()[1][:, b, :trusted], dv[:, b, :trusted], rtol=1e-5, atol=1e-5)
+        H.assert_caches_rebuilt(run, H.host(run.state), drafter)
     c = jax.device_get(run.state.counters)
     assert c.drafted.sum() > c.accepted.sum()  # there were rejections
     out, _ = run.outputs()

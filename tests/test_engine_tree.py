@@ -96,19 +96,12 @@ def test_penalised_greedy_tree_equals_plain_decoding():
 def test_tree_rounds_leave_caches_equal_to_a_fresh_prefill():
     drafter = H.decoy_tree(H.oracle(0.7))
     run = H.prepare(H.RAGGED, drafter, gamma=None, eos=H.eos_id())
-    cfg, capacity = H.target().config, run.spec.capacity
     second_children = 0
     for _ in range(6):
         drafted = run.round()
         s = H.host(run.state)
         second_children += int((np.asarray(s.last_accepted) > 0).sum())  # d1 is node 1, never node 0
-        committed = np.where(np.arange(capacity)[None] < s.num_tokens[:, None], s.tokens[:, :capacity], 0)
-        k, v = H.rebuild_cache(cfg, run.target_params, committed, capacity)
-        for b in range(run.num_rows):
-            n = int(s.num_tokens[b])
-            assert int(s.cache.lengths[b]) == n - 1
-            np.testing.assert_allclose(s.cache.stacked()[0][:, b, : n - 1], k[:, b, : n - 1], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(s.cache.stacked()[1][:, b, : n - 1], v[:, b, : n - 1], rtol=1e-5, atol=1e-5)
+        H.assert_caches_rebuilt(run, s)
     assert second_children > 0 and int(jax.device_get(drafted.proposal.num_draft).max()) == 7
     out, _ = run.outputs()
     assert all(o == r[: len(o)] for o, r in zip(out, H.reference().tokens))

@@ -11,6 +11,7 @@ import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec_jax import rng
 from specdec_jax.sampling import (
     PenaltyCounts,
     RowSampling,
@@ -20,6 +21,8 @@ from specdec_jax.sampling import (
     sample,
     token_counts,
 )
+from specdec_jax.verify import verify_stochastic
+from specdec_jax.verify_tree import verify_tree_stochastic
 
 V = 50
 # Jitted: one compile per shape and flag set instead of one per op keeps the file fast.
@@ -434,3 +437,25 @@ def test_sample_never_draws_masked_tokens():
     assert np.all(np.take_along_axis(probs, draws.T, axis=1) > 0)
     np.testing.assert_array_equal(draws[:, 0], logits[0].argmax())
     assert len(np.unique(draws[:, 1])) == 3
+
+
+def test_the_verifiers_draw_bonus_tokens_with_sample():
+    """`sample` is the package's one categorical draw: a chain's bonus after no drafts, and a tree's
+    after no nodes, is `sample` of the target's law under the position's RESIDUAL key."""
+    keys = rng.position_keys(jax.random.key(3), jnp.arange(4), jnp.zeros((4, 3), jnp.int32) + jnp.arange(3))
+    law = jax.nn.softmax(jnp.asarray(random_logits(5, (4, 3, 7))), axis=-1)
+    expected = np.asarray(sample(rng.for_purpose(keys[:, 0], rng.Purpose.RESIDUAL), law[:, 0]))
+    drafts, none = jnp.zeros((4, 2), jnp.int32), jnp.zeros((4,), jnp.int32)
+    chain = verify_stochastic(keys, drafts, None, law, none)
+    tree = verify_tree_stochastic(keys, drafts, jnp.full((4, 2), -1, jnp.int32), jnp.zeros((4, 2), bool), None, law)
+    np.testing.assert_array_equal(np.asarray(chain.tokens[:, 0]), expected)
+    np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), expected)
+
+
+def test_accept_uniforms_lie_in_tiny_to_one_one_per_key():
+    keys = rng.for_purpose(jax.random.split(jax.random.key(4), 12).reshape(3, 4), rng.Purpose.ACCEPT)
+    u = np.asarray(rng.accept_uniforms(keys))
+    assert u.shape == (3, 4) and u.dtype == np.float32
+    assert np.all(u >= np.finfo(np.float32).tiny) and np.all(u < 1.0)
+    alone = jax.random.uniform(keys[1, 2], minval=np.finfo(np.float32).tiny, maxval=1.0)
+    assert u[1, 2] == float(alone)

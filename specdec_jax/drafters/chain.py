@@ -24,10 +24,17 @@ import jax.numpy as jnp
 from specdec_jax.drafters.base import DraftContext, Proposal
 from specdec_jax.grammar import advance
 from specdec_jax.rng import Purpose, for_purpose
-from specdec_jax.sampling import PenaltyCounts, RowSampling, first_argmax, penalize, process_logits
+from specdec_jax.sampling import PenaltyCounts, RowSampling, first_argmax, penalize, process_logits, sample
 
 # (carry, token i32[B], index i32[]) -> (logits f32[B,Vo] of draft index + 2, carry): feeds draft index + 1
 NextLogits = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def empty_proposal(batch: int, tree: bool = False) -> Proposal:
+    """A proposal of no drafts for ``batch`` rows (a round without speculation): i32[B,0] drafts, a
+    count of 0 per row, and with ``tree`` i32[B,0] parents."""
+    none = jnp.zeros((batch, 0), jnp.int32)
+    return Proposal(none, jnp.zeros((batch,), jnp.int32), None, none if tree else None)
 
 
 def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
@@ -41,20 +48,19 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     corrupt_alpha: the oracle's corruption (drafts kept with probability alpha, q a point mass).
     """
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
-        batch = first_logits.shape[0]
-        return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None), carry
+        return empty_proposal(first_logits.shape[0]), carry
     counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
     if ctx.sampling.use_penalties:
         counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)
         counts = counts if vocab_map is None else counts.take(vocab_map)
     keep_laws = ctx.sampling.any_sampled and corrupt_alpha is None
-    rows = ctx.grammar
-    states = None if rows is None else rows.states  # i32[B] grammar state before each draft
+    constraint = ctx.grammar
+    states = None if constraint is None else constraint.states  # i32[B] grammar state before each draft
 
     def pick(logits, counts, states, index):
         keys = ctx.keys[:, index]  # key[B] of this draft's position
-        if rows is not None:
-            logits = rows.constrain(logits, states, index, vocab_map)
+        if constraint is not None:
+            logits = constraint.constrain(logits, states, index, vocab_map)
         if ctx.sampling.any_sampled:
             law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
             drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
@@ -65,8 +71,8 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
             token = _corrupt(keys, token, corrupt_alpha, vocab_size)
         if counts is not None:  # counts are over the drafter's ids
             counts = counts.add(drawn)
-        if rows is not None:
-            states = advance(rows.tables, states, token)
+        if constraint is not None:
+            states = advance(constraint.tables, states, token)
         return token, (law if keep_laws else None), counts, states
 
     def step(state, index):
@@ -91,8 +97,7 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
 def _draw(keys, law, sampling: RowSampling):
     """i32[B]: a draw from `law` f32[B,V] for sampled rows, the argmax (the one-hot's index) for
     greedy rows."""
-    drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(law))
-    return jnp.where(sampling.temperature == 0, first_argmax(law), drawn).astype(jnp.int32)
+    return jnp.where(sampling.temperature == 0, first_argmax(law), sample(keys, law)).astype(jnp.int32)
 
 
 def _corrupt(keys, token, alpha: float, vocab: int):

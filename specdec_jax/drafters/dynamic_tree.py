@@ -28,6 +28,7 @@ holds no refused token while the grammar allows K children.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from specdec_jax import tree as trees
 from specdec_jax.drafters.base import Proposal
+from specdec_jax.drafters.chain import empty_proposal
 from specdec_jax.grammar import RowGrammar, advance
 from specdec_jax.tree import TreeShape
 
@@ -45,43 +47,49 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
                       expand: Expand, vocab_map: jax.Array | None = None,
                       grammar: RowGrammar | None = None) -> Proposal:
     """A `Proposal` of ``nodes`` nodes (point masses, all counted: the caller masks rows that
-    cannot draft).
+    cannot draft): the best of `_candidates`, best first (`_best_tree`).
 
     first_logits: f32[B,Vo] the drafter's logits of the first draft; root_output: f32[B,...] the
     input of depth-1 nodes besides their token (None if the drafter needs none); vocab_map:
     i32[Vo] target id of each logit (a reduced vocabulary), None: Vo = V; grammar: the rows'
     grammar (module docstring), None: unconstrained.
     """
-    k = shape.topk
-    batch = first_logits.shape[0]
     if nodes == 0:  # a round without speculation
-        return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None,
-                        jnp.zeros((batch, 0), jnp.int32))
+        return empty_proposal(first_logits.shape[0], tree=True)
+    children = functools.partial(_best_children, k=shape.topk, vocab_map=vocab_map, grammar=grammar)
+    return _best_tree(*_candidates(shape, first_logits, root_output, expand, children, grammar), nodes)
 
-    def best_children(logits, states, depth):
-        """f32[B,M,Vo] logits of M nodes' children at ``depth``, i32[B,M] the nodes' grammar states (None
-        unconstrained) -> (log-probs f32[B,M,K], target ids i32[B,M,K], the children's states or None)."""
-        if grammar is not None:
-            logits = grammar.constrain(logits, states, depth - 1, vocab_map)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        logp, ids = jax.lax.top_k(jnp.maximum(logp, -1e4), k)  # finite: a child always ranks below its parent
-        ids = ids if vocab_map is None else vocab_map[ids]
-        return logp, ids, None if grammar is None else advance(grammar.tables, states[..., None], ids)
 
-    root = None if grammar is None else grammar.states[:, None]
-    logp, ids, child_states = best_children(first_logits[:, None], root, 1)
+def _best_children(logits, states, depth: int, k: int, vocab_map, grammar: RowGrammar | None):
+    """f32[B,M,Vo] logits of M nodes' children at ``depth``, i32[B,M] the nodes' grammar states (None
+    unconstrained) -> (log-probs f32[B,M,K], target ids i32[B,M,K], the children's states or None)."""
+    if grammar is not None:
+        logits = grammar.constrain(logits, states, depth - 1, vocab_map)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp, ids = jax.lax.top_k(jnp.maximum(logp, -1e4), k)  # finite: a child always ranks below its parent
+    ids = ids if vocab_map is None else vocab_map[ids]
+    return logp, ids, None if grammar is None else advance(grammar.tables, states[..., None], ids)
+
+
+def _candidates(shape: TreeShape, first_logits, root_output, expand: Expand, children, grammar):
+    """Every candidate, depth by depth: (tokens i32[B,C], cumulative log-probs f32[B,C], parents i32[B,C]
+    (candidate ids, ROOT at depth 1), depths i32[B,C]), C = K + (D - 1) K^2; ``children`` is
+    `_best_children` with its K, vocabulary map and grammar."""
+    k, batch = shape.topk, first_logits.shape[0]
+    logp, ids, child_states = children(first_logits[:, None], None if grammar is None else grammar.states[:, None], 1)
     frontier_states = None if grammar is None else child_states[:, 0]  # i32[B,K]
     tokens, scores, parents = [ids[:, 0]], [logp[:, 0]], [jnp.full((batch, k), trees.ROOT, jnp.int32)]
     depths = [jnp.ones((batch, k), jnp.int32)]
     frontier, frontier_score = jnp.broadcast_to(jnp.arange(k), (batch, k)), logp[:, 0]  # candidate ids
     fed_tokens, fed_depth = ids[:, 0], jnp.ones((batch, k), jnp.int32)
     fed_parents = jnp.full((batch, k), trees.ROOT, jnp.int32)  # index in the fed block
-    fed_inputs = None if root_output is None else jnp.broadcast_to(root_output[:, None], (batch, k) + root_output.shape[1:])
+    fed_inputs = (None if root_output is None
+                  else jnp.broadcast_to(root_output[:, None], (batch, k) + root_output.shape[1:]))
     first = k  # candidate id of the next depth's first candidate
     for depth in range(2, shape.depth + 1):
         mask = trees.structure(fed_parents)[1][:, 1:, 1:]
         logits, outputs = expand(fed_tokens, mask, fed_depth, fed_inputs)
-        logp, ids, child_states = best_children(logits, frontier_states, depth)  # [B,K,K]
+        logp, ids, child_states = children(logits, frontier_states, depth)  # [B,K,K]
         score = (frontier_score[:, :, None] + logp).reshape(batch, k * k)
         tokens.append(ids.reshape(batch, k * k))
         scores.append(score)
@@ -99,11 +107,17 @@ def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, roo
                 chosen = jnp.take_along_axis(outputs, parent.reshape(parent.shape + (1,) * (outputs.ndim - 2)), axis=1)
                 fed_inputs = jnp.concatenate([fed_inputs, chosen], axis=1)
         first += k * k
-    tokens, scores = jnp.concatenate(tokens, axis=1), jnp.concatenate(scores, axis=1)
-    parents, depths = jnp.concatenate(parents, axis=1), jnp.concatenate(depths, axis=1)
-    _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)  # the best N, best first: a parent outranks its children
-    rows = jnp.arange(batch)[:, None]
-    renumber = jnp.full(tokens.shape, trees.ROOT, jnp.int32).at[rows, chosen].set(jnp.arange(nodes, dtype=jnp.int32))
+    return tuple(jnp.concatenate(x, axis=1) for x in (tokens, scores, parents, depths))
+
+
+def _best_tree(tokens, scores, parents, depths, nodes: int) -> Proposal:
+    """The ``nodes`` best candidates (arrays as `_candidates`' [B,C]), best first, renumbered as a tree:
+    a parent outranks its children (the depth term breaks a tie of equal scores toward the parent)."""
+    batch = tokens.shape[0]
+    _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)
+    batch_index = jnp.arange(batch)[:, None]
+    renumber = jnp.full(tokens.shape, trees.ROOT, jnp.int32).at[batch_index, chosen].set(
+        jnp.arange(nodes, dtype=jnp.int32))
     old_parents = jnp.take_along_axis(parents, chosen, axis=1)
     new_parents = jnp.where(old_parents >= 0, jnp.take_along_axis(renumber, jnp.maximum(old_parents, 0), axis=1),
                             trees.ROOT)

@@ -33,7 +33,7 @@ import numpy as np
 
 from specdec_jax import tree as trees
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_tree_topk
-from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.drafters.chain import draw_chain, empty_proposal
 from specdec_jax.target import FINAL_NORM, TargetModel
 from specdec_jax.tree import TreeShape
 
@@ -134,8 +134,7 @@ class MedusaDrafter(DrafterBase):
         choices = shape.choices or trees.default_choices(shape.nodes, shape.depth, shape.topk)
         batch = logits.shape[1]
         if nodes == 0:  # a round without speculation
-            return Proposal(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), None,
-                            jnp.zeros((batch, 0), jnp.int32))
+            return empty_proposal(batch, tree=True)
         parents, depth, rank = (a[:nodes] for a in trees.static_tree(choices))
         _, ids = jax.lax.top_k(logits[: int(depth.max())], int(rank.max()) + 1)  # i32[D,B,k]
         tokens = ids[depth - 1, :, rank].T  # i32[B,N]

@@ -97,12 +97,12 @@ class NgramDrafter(DrafterBase):
         present = position < length[:, None, None]  # [B,T,D]
         cont = jnp.take_along_axis(tokens, jnp.minimum(position, size - 1).reshape(1, -1).repeat(batch, 0), axis=1)
         cont = cont.reshape(batch, size, depth)
-        rows = jnp.arange(batch)
+        batch_index = jnp.arange(batch)
         scores, starts = [], []
         for _ in range(k):
             start = jnp.argmax(score, axis=1)
-            best = score[rows, start]
-            chosen, chosen_present = cont[rows, start], present[rows, start]  # [B,D]
+            best = score[batch_index, start]
+            chosen, chosen_present = cont[batch_index, start], present[batch_index, start]  # [B,D]
             covered = jnp.all(~present | (chosen_present[:, None] & (cont == chosen[:, None])), axis=2)
             score = jnp.where(covered | (best < 0)[:, None], -1, score)
             scores.append(best)

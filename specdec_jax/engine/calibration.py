@@ -8,17 +8,16 @@ It times them the way the loop runs them: several rounds in a loop per timed
 call, each call donating its state, so no timing includes a copy, and one
 program (the forced shape is loop state) serves every shape. `calibrated_costs`
 caches the costs on disk, one JSON file per device, target, drafter, batch,
-capacity (the run's own: at batch 16 every pass reads the whole cache, and a
-width-2 round cost 1.37 T1 at capacity 704 but 1.22 at 1024, so costs measured
-at a capacity rounded up priced wide passes too cheap) and gammas, under
+capacity (the run's own: at a large batch every pass reads the whole cache, so
+a width's cost in T1 depends on the capacity; docs/shape_policy.md) and gammas, under
 `$SPECDEC_CACHE/calibration/` (`refresh=True` measures again), and
 `shape_policy` turns them into a `engine.shape.ShapePolicy` (units of T1, one
 plain round).
 
 `time_target_pass` and `time_draft_step` time the pieces alone (`bench`'s cost
-model for a fixed gamma). Measuring takes under a minute on this CPU (at
-batches 1 and 4), most of it a compile per draft length and one for the rounds;
-the cache makes the next run free.
+model for a fixed gamma). Measuring is mostly a compile per draft length and
+one for the rounds (docs/shape_policy.md has its time); the cache makes the
+next run free.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import numpy as np
 from specdec_jax import cache
 from specdec_jax.cache import cache_dir
 from specdec_jax.engine.batching import prepare
+from specdec_jax.engine.request import GenerateRequest
 from specdec_jax.engine.round import decode_round, draft_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, FREE_DRAFTS, ShapePolicy, auto_shapes
 from specdec_jax.files import write_text_atomic
@@ -97,8 +97,8 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
 
 def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
     """`time_draft_step` at each of ``gammas``, timed in turn (one call of each per repeat), so that a
-    change in the machine's load reaches all of them alike: timed one after another, a shared 2-core
-    machine once priced the Qwen pair's 1, 2, 3, 4 drafts at 39, 255, 280, 271 ms (3: 194 ms quiet)."""
+    change in the machine's load reaches all of them alike (timed one after another they can be priced
+    out of order: docs/shape_policy.md)."""
     steps = []
     for gamma in gammas:
         spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
@@ -123,7 +123,7 @@ def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
     (prepared with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
     pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
     Each timed call runs ``rounds`` rounds in a loop, as the decoding loop runs them (a round
-    called alone cost 14% more at batch 4 here, and not alike at every width), and its time is
+    called alone costs more, and not alike at every width: docs/shape_policy.md), and its time is
     divided by ``rounds``; the state needs room for them. One program serves every shape; every
     timed call starts from a copy of the post-prefill state (copied before the clock starts) and
     donates it; the shapes are timed in turn, so a change in the machine's load reaches all of
@@ -155,8 +155,8 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     rounds timed CALIBRATION_ROUNDS at a time in a loop (`time_rounds`):
 
     - draft_s[i]: the drafter's proposal of gammas[i] tokens (`time_draft_steps`, all timed in turn) less a draft step
-      that proposes nothing (the jitted call's own overhead, 0.3 ms here, which the loop does not
-      pay: it made the n-gram lookup look 2.3% of a batch-1 round, over FREE_DRAFTS); a tree
+      that proposes nothing (the jitted call's own overhead, which the loop does not pay and which
+      could push a free drafter over FREE_DRAFTS: docs/shape_policy.md); a tree
       (``tree``: gammas are node counts, drafted whole or not at all) costs its whole drafting for
       every i > 0;
     - verify_s[i] = R(d_i, i) - draft_s[d_i]: a whole round of the shape policy's own program
@@ -178,8 +178,8 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
     loop = max(1, min(CALIBRATION_ROUNDS, (capacity - 16 - 2 * width) // width))
     length = max(2, min(CALIBRATION_PROMPT, capacity - loop * width - width - 1))
     prompts = rng.integers(0, model.vocab_size, (batch, length)).tolist()
-    run = prepare(target, prompts, drafter, policy=policy(False), max_new_tokens=loop * width + width + 1,
-                  capacity=capacity)
+    run = prepare(GenerateRequest(target, prompts, drafter, policy=policy(False),
+                                  max_new_tokens=loop * width + width + 1, capacity=capacity))
     # Less a draft step that proposes nothing: the call's own overhead, which the loop does not pay.
     if tree:
         idle, whole = time_draft_steps(run, [0, max(gammas)])
@@ -255,11 +255,9 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refres
 
 def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
     """A ShapePolicy from `measure_costs`'s seconds, normalised by T1. A wider shape may cost less
-    than a narrower one and is then kept so (whole rounds at batch 4 on this CPU, three
-    calibrations alike: widths 1, 2, 3, 5 at 1.0, 1.34-1.39, 1.23-1.26, 1.46-1.47 T1): the
-    narrower shape is never the better choice and the policy skips it. No verify shape is priced
-    under one plain round, which a draft timing measured apart from its round could otherwise
-    imply."""
+    than a narrower one (docs/design.md section 8) and is then kept so: the narrower shape is never
+    the better choice and the policy skips it. No verify shape is priced under one plain round,
+    which a draft timing measured apart from its round could otherwise imply."""
     t1 = costs["T1"]
     verify = tuple(np.maximum(np.asarray(costs["verify_s"], float) / t1, 1.0).tolist())
     draft = tuple(np.maximum(np.asarray(costs["draft_s"], float) / t1, 0.0).tolist())

@@ -1,4 +1,11 @@
-"""`generate`, the public entry point (prepare, run the loop, unpack), and `prepare`, the batch it runs.
+"""`generate`, the public entry point, and `prepare`, the batch it runs (docs/design.md section 4).
+
+`generate` builds a `GenerateRequest` (validated once) and runs it:
+`prepare_request` (bucket, build the program, prefill), then `run_chunks` (the
+compiled loop in calls of about CHUNK_S seconds: between calls only each row's
+``done`` and the round count reach the host, so that a stop is seen; the cost
+is measured in the entry "What does running the decoding loop in chunks cost?"
+of experiments/README.md), then `unpack` (the tokens to the host, once).
 
 `prepare` sits above both `batching` and `calibration`: gamma "auto" is priced
 by this device's calibrated costs, which are measured on batches that
@@ -20,9 +27,10 @@ from specdec_jax.drafters.base import Drafter
 from specdec_jax.engine import batching
 from specdec_jax.engine.batching import Prepared
 from specdec_jax.engine.calibration import shape_policy
+from specdec_jax.engine.request import GenerateRequest
 from specdec_jax.engine.round import decode_round, run_loop
 from specdec_jax.engine.shape import ShapePolicy
-from specdec_jax.engine.state import STOP_REASONS, GenerationResult
+from specdec_jax.engine.state import STOP_REASONS, DecodeState, GenerationResult
 from specdec_jax.metrics import Metrics
 from specdec_jax.sampling import SamplingParams
 
@@ -34,110 +42,87 @@ FIRST_CHUNK_ROUNDS = 2  # the first call's rounds; later calls are sized from it
 
 
 def prepare(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None = None, **options) -> Prepared:
-    """`batching.prepare` (validate, bucket, place, prefill; keyword arguments as in `generate`), with
-    gamma "auto" priced by this device's calibrated costs (`calibration.shape_policy`, cached on disk)."""
-    return batching.prepare(target, prompts, drafter, policy_for=functools.partial(shape_policy, target, drafter),
-                            **options)
+    """The batch `generate` runs the loop on, for driving rounds by hand: `prepare_request` of
+    `GenerateRequest(target, prompts, drafter, **options)` (keyword arguments as in `generate`)."""
+    return prepare_request(GenerateRequest(target, prompts, drafter, **options))
 
 
-def generate(
-    target,
-    prompts: Sequence[Sequence[int]],
-    drafter: Drafter | None = None,
-    *,
-    gamma: int | str | None = None,
-    policy: ShapePolicy | None = None,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-    max_new_tokens: int = 128,
-    eos_id: int | None = None,
-    stop_ids: Sequence[int] = (),
-    seed: int = 0,
-    row_ids: Sequence[int] | None = None,
-    capacity: int | None = None,
-    record_top_k: int = 0,
-    python_loop: bool = False,
-    mesh: Mesh | None = None,
-    grammars=None,
-) -> GenerationResult:
+def prepare_request(request: GenerateRequest, compile_loop: bool = False) -> Prepared:
+    """`batching.prepare` (bucket, build, place, prefill), with gamma "auto" priced by this device's
+    calibrated costs (`calibration.shape_policy`, cached on disk)."""
+    policy_for = functools.partial(shape_policy, request.target, request.drafter)
+    return batching.prepare(request, policy_for=policy_for, compile_loop=compile_loop)
+
+
+def generate(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None = None, *,
+             gamma: int | str | None = None, policy: ShapePolicy | None = None,
+             sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), max_new_tokens: int = 128,
+             eos_id: int | None = None, stop_ids: Sequence[int] = (), seed: int = 0,
+             row_ids: Sequence[int] | None = None, capacity: int | None = None, record_top_k: int = 0,
+             python_loop: bool = False, mesh: Mesh | None = None, grammars=None) -> GenerationResult:
     """Speculative decoding of a ragged batch of token-id prompts.
 
-    Args:
-      target: the target model: anything with ``as_target() -> (TargetModel, params)``
-        (`specdec_jax.target`), e.g. a `Llama` or a `LoadedModel`.
-      prompts: one list of token ids per row (ragged lengths, each >= 1 token).
-      drafter: an `NgramDrafter`, `ModelDrafter`, `oracle_drafter(...)`, any object of
-        the drafter protocol (`specdec_jax.drafters.base`), or None for plain decoding.
-      gamma: drafts per round (an int, for ablations), or "auto", the default with a
-        drafter: each round chooses its draft length among `AUTO_GAMMAS` (0 included) and
-        its verify width on device, from this device's measured costs (calibrated once
-        per device, model, drafter, batch and capacity, and cached on disk;
-        `engine.calibration`) and each row's running acceptance (`engine.shape`).
-        gamma = 0 (the default without a drafter) is plain autoregressive decoding
-        through the same code.
-      policy: a `ShapePolicy` to use instead of the calibrated one (implies "auto").
-      sampling: one `SamplingParams` for all rows or one per row (greedy and
-        sampled rows may mix).
-      max_new_tokens: per-row token budget (>= 1). With the model's context length
-        known (`TargetModel.max_positions`), longest prompt + max_new_tokens must fit it.
-      eos_id, stop_ids: tokens that end a row (kept in the output): `eos_id` (one id or
-        None) and every id of `stop_ids` (e.g. a tokenizer's `stop_ids`).
-      seed, row_ids: a row's randomness depends only on (seed, its row id, the
-        position of each token; `specdec_jax.rng`), so a row's output does not depend
-        on its batch neighbours. Row ids default to 0..B-1; pass the same id to
-        reproduce a row alone.
-      capacity: KV slots per row; default fits the prompt bucket + max_new_tokens
-        + gamma + 1, rounded up to a multiple of 64. Rows that run out stop with
-        reason "capacity".
-      record_top_k: if > 0, also return the target's top-k tokens and log-probs
-        at every emitted token (`GenerationResult.target_top`; distillation data).
-      python_loop: run the same `draft_step` / `verify_step` from a Python loop
-        instead of `lax.while_loop` (for debugging; identical results; `run_loop` is not
-        compiled, so only the shapes' floor and prefill's memory are checked).
-      mesh: a `(data, model)` mesh (`specdec_jax.sharding.make_mesh`): weights, KV
-        caches and loop state are sharded over it and the same loop runs
-        partitioned. The batch is padded to a multiple of the `data` axis; the
-        `model` axis must divide the head counts and MLP width. None, or one
-        device: the single-device path.
-      grammars: grammar constraints (docs/constraints.md): one `constraints.GrammarTables`
-        (`compile_constraint(Constraint(regex=...), tokenizer)`) for every row, or one per row
-        (None: no constraint). Each row's output then matches its constraint: the target's
-        and the drafter's laws allow only the tokens the grammar allows along each
-        candidate's own path, within the row's budget; a row that reaches a whole match
-        nothing may follow stops with reason "grammar".
+    Every argument but ``python_loop`` is the `GenerateRequest` attribute of its name (validated
+    before anything is compiled: one ValueError each). A drafter is an `NgramDrafter`,
+    `ModelDrafter`, `oracle_drafter(...)` or any object of the drafter protocol
+    (`specdec_jax.drafters.base`); gamma "auto", the default with a chain drafter, chooses each
+    round's draft length and verify width on device from this device's measured costs (calibrated
+    once per device, model, drafter, batch and capacity and cached on disk, `engine.calibration`)
+    and each row's running acceptance (`engine.shape`). Under a grammar constraint each row's
+    output matches it, and a row that reaches a whole match nothing may follow stops with reason
+    "grammar" (docs/constraints.md). With a mesh (`specdec_jax.sharding.make_mesh`) weights, caches
+    and loop state are sharded over it and the same loop runs partitioned: the batch is padded to
+    a multiple of its ``data`` axis, and its ``model`` axis must divide the head counts and the MLP
+    width.
+
+    python_loop: run the same `decode_round` from a Python loop instead of `lax.while_loop` (for
+      debugging; identical results; `run_loop` is not compiled, so only the shapes' floor and
+      prefill's memory are checked).
 
     Returns:
       GenerationResult: emitted tokens and stop reason per row, batch metrics.
     """
+    request = GenerateRequest(target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling,
+                              max_new_tokens=max_new_tokens, eos_id=eos_id, stop_ids=stop_ids, seed=seed,
+                              row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
+                              grammars=grammars)
+    return run_request(request, python_loop)
+
+
+def run_request(request: GenerateRequest, python_loop: bool = False) -> GenerationResult:
+    """`generate` of a built request: prepare (the loop compiled, and its memory checked, before prefill
+    runs), run the loop to the end, unpack; the drafter then observes the outputs."""
     start = time.perf_counter()
-    run = prepare(  # the loop is compiled, and its memory checked, before prefill runs
-        target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
-        eos_id=eos_id, stop_ids=stop_ids, seed=seed, row_ids=row_ids, capacity=capacity, record_top_k=record_top_k,
-        mesh=mesh, grammars=grammars, compile_loop=not python_loop,
-    )
+    run = prepare_request(request, compile_loop=not python_loop)
     state = jax.block_until_ready(run.state)
     loop_start = time.perf_counter()
     if python_loop:
-        while bool(jnp.any(~state.done)) and int(state.step) < max_new_tokens:
+        while bool(jnp.any(~state.done)) and int(state.step) < request.max_new_tokens:
             state = decode_round(run.spec, run.params, state)
     else:
-        state = run_chunks(run, state, max_new_tokens)
+        state = run_chunks(run, state, request.max_new_tokens)
+    result = unpack(run, state, start, loop_start)
+    if request.drafter is not None:
+        request.drafter.observe(result.tokens)  # after the call: no row drafts from its own future
+    return result
+
+
+def unpack(run: Prepared, state: DecodeState, start: float, loop_start: float) -> GenerationResult:
+    """The finished ``state`` on the host as a `GenerationResult` of ``run``'s real rows; ``start`` and
+    ``loop_start``: `time.perf_counter` at the call's start and at the loop's."""
     tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
         (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
     end = time.perf_counter()
-    wall, decode = end - start, end - loop_start
     lens, num_rows = run.prompt_lens, run.num_rows
     if top is not None:
         top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
-    outputs = [tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)]
-    if drafter is not None:
-        drafter.observe(outputs)  # after the call: no row drafts from its own future
     return GenerationResult(
-        tokens=outputs,
+        tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
         metrics=Metrics.from_counters(counters, num_rows),
-        wall_s=wall,
+        wall_s=end - start,
         loop_rounds=int(step),
-        decode_s=decode,
+        decode_s=end - loop_start,
         target_top=top,
         policy=run.spec.policy,
         row_counts=[{"rounds": int(counters.rounds[b]), "draft_tokens": int(counters.drafted[b]),
@@ -146,13 +131,13 @@ def generate(
     )
 
 
-def run_chunks(run: Prepared, state, max_new_tokens: int):
+def run_chunks(run: Prepared, state: DecodeState, max_new_tokens: int) -> DecodeState:
     """`run_loop` to the end in calls of about CHUNK_S seconds each (the first of FIRST_CHUNK_ROUNDS
     rounds, each next one sized from the last one's rate, at most 8 times longer), so that a
     KeyboardInterrupt reaches the caller within about a second while the rounds of a call stay on
     device. The round count of each call is a traced argument (one program for every size, the one
     `prepare` compiled and checked); a multi-host run takes process 0's sizes. Between calls only
-    ``done`` and ``step`` reach the host."""
+    ``done`` (bool[B]) and ``step`` (i32[]) reach the host."""
     if CHUNK_S is None:  # one call of the same program, with rounds enough for every row's budget
         return run_loop(run.spec, run.params, state, jnp.int32(max_new_tokens))
     rounds = FIRST_CHUNK_ROUNDS

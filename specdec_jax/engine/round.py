@@ -73,21 +73,21 @@ def row_grammar(params: EngineParams, state: DecodeState) -> grammar.RowGrammar 
     return grammar.RowGrammar(params.grammar, state.grammar_state, state.max_new - (state.num_tokens - state.prompt_lens))
 
 
-def verify_masks(state: DecodeState, rows: grammar.RowGrammar | None) -> jax.Array | None:
+def verify_masks(state: DecodeState, constraint: grammar.RowGrammar | None) -> jax.Array | None:
     """bool[B,G+1,V]: the tokens the grammar allows after each verify input [t0, drafts], each along
     its own path (a tree's: its ancestors) and within the row's budget at its depth; None without one."""
-    if rows is None:
+    if constraint is None:
         return None
     drafts, parents = state.proposal.drafts, state.proposal.parents
-    states = grammar.path_states(rows.tables, rows.states, drafts, parents)  # i32[B,G+1]
+    states = grammar.path_states(constraint.tables, constraint.states, drafts, parents)  # i32[B,G+1]
     depth = jnp.arange(drafts.shape[1] + 1)[None, :] if parents is None else tree.structure(parents)[0]
-    return rows.mask(states, depth)
+    return constraint.mask(states, depth)
 
 
-def allowed_prefix(rows: grammar.RowGrammar, drafts: jax.Array) -> jax.Array:
+def allowed_prefix(constraint: grammar.RowGrammar, drafts: jax.Array) -> jax.Array:
     """i32[B]: how many leading drafts of a chain (i32[B,G]) the grammar allows along it: the drafts after
     them would be rejected (the target's law gives them 0), so they are not verified."""
-    states = grammar.path_states(rows.tables, rows.states, drafts)[:, 1:]
+    states = grammar.path_states(constraint.tables, constraint.states, drafts)[:, 1:]
     return jnp.sum(jnp.cumprod(states != grammar.DEAD, axis=1), axis=1).astype(jnp.int32)
 
 
@@ -106,25 +106,26 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         target=spec.target, grammar=row_grammar(params, state),
     )
     policy, live, forced, found = spec.policy, ~state.done, state.forced_shape, state.draft_found
+    # draft_choice: i32[], the index into policy.gammas of the proposal's size (gammas[0] = 0: no drafts)
     if policy is None or forced is not None:
-        drafted = None if policy is None else forced[0]
+        draft_choice = None if policy is None else forced[0]
     else:
         weight = shape.row_weights(policy, state.acceptance, live, room, found)
-        drafted = shape.choose_draft(policy, state.acceptance, weight, room)
+        draft_choice = shape.choose_draft(policy, state.acceptance, weight, room)
     if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
     else:
-        proposal, drafter_state = _propose_chosen(spec, params, state, ctx, drafted)
+        proposal, drafter_state = _propose_chosen(spec, params, state, ctx, draft_choice)
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
     if ctx.grammar is not None and proposal.parents is None:
         cap = jnp.minimum(cap, allowed_prefix(ctx.grammar, proposal.drafts))
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
         usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
-        found = shape.update_found(policy, found, (room > 0) & (drafted > 0), num_draft)
+        found = shape.update_found(policy, found, (room > 0) & (draft_choice > 0), num_draft)
         if forced is None:
-            verified = shape.choose_verify(policy, state.acceptance, weight, num_draft, drafted, usable)
-            num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verified])
+            verify_choice = shape.choose_verify(policy, state.acceptance, weight, num_draft, draft_choice, usable)
+            num_draft = jnp.minimum(num_draft, jnp.asarray(policy.gammas, jnp.int32)[verify_choice])
         else:  # every live row verifies the forced count; drafts the drafter did not find are padding
             num_draft = jnp.minimum(cap, jnp.asarray(policy.gammas, jnp.int32)[forced[1]])
     return state.replace(proposal=proposal._replace(num_draft=num_draft), drafter_state=drafter_state,
@@ -176,8 +177,9 @@ class TargetPass(NamedTuple):
 def keeps_logits(spec: EngineSpec, state: DecodeState) -> bool:
     """Whether the round reads the target's logits past its pass: a row samples (its law is built
     from them) or the target's top-k is recorded. Otherwise each width's branch reduces its logits
-    to the greedy tokens, and no f32[B,G+1,V] array leaves the ``lax.switch`` (padding it to G+1
-    columns, then reducing it, cost a round that verifies nothing 8-13% at batch 16 on this CPU)."""
+    to the greedy tokens, and no f32[B,G+1,V] array leaves the ``lax.switch``: padding it to G+1
+    columns and then reducing it makes a narrow round pay for the widest (docs/design.md section 4,
+    "Verify widths")."""
     return state.sampling.any_sampled or bool(spec.record_top_k)
 
 
@@ -251,15 +253,15 @@ def _penalty_counts(spec: EngineSpec, state: DecodeState) -> PenaltyCounts | Non
 
 
 def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass,
-           nodes: tuple[jax.Array, jax.Array] | None) -> VerifyResult:
+           verified: tuple[jax.Array, jax.Array] | None) -> VerifyResult:
     """The verification rule over the target's pass: greedy (on its greedy tokens) when no row
     samples, else speculative sampling on `target_law` of its logits (greedy rows of a mixed batch
     have one-hot laws, for which it reduces to the greedy rule); `accept_tree` for a tree, whose
-    `verified_nodes` are ``nodes`` (None for a chain)."""
+    `verified_nodes` are ``verified`` (None for a chain)."""
     drafts, num_draft, draft_probs, parents = state.proposal
     budget = state.max_new - (state.num_tokens - state.prompt_lens)
     if parents is not None:
-        return accept_tree(spec, state, scored, budget, nodes[1])
+        return accept_tree(spec, state, scored, budget, verified[1])
     if state.sampling.any_sampled:
         return verify_stochastic(position_keys(state, spec.gamma + 1), drafts, draft_probs,
                                  target_law(spec, state, scored.logits), num_draft, stop_ids=spec.stop_ids,
@@ -288,13 +290,13 @@ def verified_nodes(spec: EngineSpec, state: DecodeState) -> tuple[jax.Array, jax
     return depth, valid
 
 
-def proposed_depth(state: DecodeState, nodes: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+def proposed_depth(state: DecodeState, verified: tuple[jax.Array, jax.Array] | None) -> jax.Array:
     """i32[B]: how deep the verified proposal reaches: a chain's draft count, a tree's deepest
-    verified node (``nodes``: its `verified_nodes`); the denominators of acceptance by draft
+    verified node (``verified``: its `verified_nodes`); the denominators of acceptance by draft
     position, or by depth."""
-    if nodes is None:
+    if verified is None:
         return state.proposal.num_draft
-    depth, valid = nodes
+    depth, valid = verified
     return jnp.max(jnp.where(valid, depth, 0), axis=1)
 
 
@@ -321,13 +323,13 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
     n_accepted = jnp.where(live, result.n_accepted, 0)
     column = jnp.arange(spec.gamma + 1)[None, :]
     index = jnp.where(column < n_emit[:, None], state.num_tokens[:, None] + column, spec.buffer_len)
-    rows = jnp.arange(index.shape[0])[:, None]
+    batch_index = jnp.arange(index.shape[0])[:, None]
     num_tokens = state.num_tokens + n_emit
     target_top = state.target_top
     if spec.record_top_k:
         logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), spec.record_top_k)  # [B,G+1,k]
-        target_top = (target_top[0].at[rows, index].set(ids, mode="drop"),
-                      target_top[1].at[rows, index].set(logp, mode="drop"))
+        target_top = (target_top[0].at[batch_index, index].set(ids, mode="drop"),
+                      target_top[1].at[batch_index, index].set(logp, mode="drop"))
     drafter_state, acceptance = state.drafter_state, state.acceptance
     if spec.gamma > 0:
         outcome = RoundOutcome(n_emit=n_emit, n_accepted=n_accepted, num_tokens=num_tokens, features=hidden)
@@ -336,7 +338,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
         acceptance = shape.update(spec.policy, acceptance, live, state.proposal.num_draft, result.n_accepted,
                                   result.path)
     return state.replace(
-        tokens=state.tokens.at[rows, index].set(result.tokens, mode="drop"),
+        tokens=state.tokens.at[batch_index, index].set(result.tokens, mode="drop"),
         num_tokens=num_tokens,
         cache=cache.with_lengths(num_tokens - 1),
         drafter_state=drafter_state,
@@ -375,9 +377,9 @@ def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState,
 def verify_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> DecodeState:
     """One target pass over [t0, drafts], verification, commit, stop reasons and metrics."""
     scored = target_pass(spec, params.target, state, verify_masks(state, row_grammar(params, state)))
-    nodes = None if state.proposal.parents is None else verified_nodes(spec, state)  # once a round: a loop
-    result = accept(spec, state, scored, nodes)
-    return stop_reasons(spec, state.done, commit(spec, params, state, result, scored, proposed_depth(state, nodes)),
+    verified = None if state.proposal.parents is None else verified_nodes(spec, state)  # once a round: a loop
+    result = accept(spec, state, scored, verified)
+    return stop_reasons(spec, state.done, commit(spec, params, state, result, scored, proposed_depth(state, verified)),
                         params.grammar)
 
 

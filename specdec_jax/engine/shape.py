@@ -68,8 +68,8 @@ import jax
 import jax.numpy as jnp
 
 # The shapes `gamma="auto"` compiles: verify widths 1 to 5. Every width up to 5 is a candidate because the cost of
-# a width is not monotone on a CPU: XLA CPU multiplies up to 4 rows at about matrix-vector speed and 5 rows by
-# another kernel (Qwen2.5-1.5B here: widths 1, 4, 5, 8 cost 237, 304, 549, 488 ms), so gamma 3 can pay where 4 loses.
+# a width need not grow with it (XLA CPU multiplies up to 4 rows at about matrix-vector speed and 5 rows by another
+# kernel; measured in docs/design.md section 8), so gamma 3 can pay where 4 loses.
 AUTO_GAMMAS = (0, 1, 2, 3, 4)
 AUTO_TREE_SIZES = (1, 2, 4, 8, 16)  # node counts `gamma="auto"` verifies of a tree drafter's nodes (below N)
 
@@ -87,10 +87,10 @@ def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
     return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
 
 FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is treated as free
-# A chain's prior probes less than 0.7 did: replayed on the training split (experiments/policy_replay.py) it
-# matched 0.7 at batch 1 (1.169x) and beat it at batch 4 (worst batch 0.978 vs 0.956); held out: batch 4 worst
-# 0.977 vs 0.954, batch 1 worst 0.984 vs 0.977, overall 1.184 vs 1.191. A tree's nodes start at TREE_PRIOR^(i+1):
-# from 0.5^(i+1) its deep nodes start so low that it never tries its widest sizes.
+# A chain's prior is low enough that a probe seldom widens a whole batch's pass and high enough that a batch of one
+# still speculates at once (the entry "Which prior should the shape policy start from?" of experiments/README.md
+# compares priors). A tree's nodes start at TREE_PRIOR^(i+1): from 0.5^(i+1) its deep nodes start so low that it
+# never tries its widest sizes.
 CHAIN_PRIOR = 0.5
 TREE_PRIOR = 0.7
 
@@ -209,11 +209,12 @@ def draft_options(policy: ShapePolicy) -> tuple[int, ...]:
 
 
 def choose_verify(policy: ShapePolicy, acceptance: jax.Array, weight: jax.Array, num_draft: jax.Array,
-                  drafted: jax.Array, usable: jax.Array | None = None) -> jax.Array:
-    """i32[]: index into gammas of the verify shape, at most ``drafted`` (step 2); ``usable``
-    bool[B,G]: a tree's nodes that lie within the row's room."""
-    sunk = jnp.asarray(policy.draft_cost, jnp.float32)[drafted]
-    allowed = jnp.arange(len(policy.gammas)) <= drafted
+                  draft_choice: jax.Array, usable: jax.Array | None = None) -> jax.Array:
+    """i32[]: index into gammas of the verify shape, at most ``draft_choice`` (i32[], the index into
+    gammas of the proposal drawn; step 2); ``usable`` bool[B,G]: a tree's nodes that lie within the
+    row's room."""
+    sunk = jnp.asarray(policy.draft_cost, jnp.float32)[draft_choice]
+    allowed = jnp.arange(len(policy.gammas)) <= draft_choice
     return _best(policy, acceptance, weight, num_draft, sunk, allowed, usable)
 
 

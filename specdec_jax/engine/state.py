@@ -85,7 +85,7 @@ class DecodeState:
     prompt_lens: jax.Array  # i32[B]
     max_new: jax.Array  # i32[B] token budget per row
     done: jax.Array  # bool[B]
-    stop_reason: jax.Array  # i32[B] RUNNING / EOS / LENGTH / CAPACITY
+    stop_reason: jax.Array  # i32[B] RUNNING / EOS / LENGTH / CAPACITY / GRAMMAR
     row_ids: jax.Array  # i32[B] a row's randomness depends on (seed, row id, position) only
     key: jax.Array  # key[] from the seed
     sampling: RowSampling  # per-row sampling settings, [B] arrays
