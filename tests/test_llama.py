@@ -23,7 +23,6 @@ from specdec_jax.models import (
     load_model,
     param_shapes,
     random_llama,
-    split_model,
 )
 from specdec_jax.models.llama import apply
 from specdec_jax.models.rope import RopeScaling
@@ -109,7 +108,7 @@ def reference_pass(cfg: LlamaConfig, params, tokens) -> tuple[np.ndarray, dict]:
 
 @pytest.fixture(scope="module")
 def params():
-    return split_model(random_llama(CFG, seed=0))[1]
+    return random_llama(CFG, seed=0).params()
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +138,18 @@ def test_few_row_passes_match_the_reference(params, tokens, rows):
         np.testing.assert_allclose(logits[b], reference_logits(CFG, params, tokens[b, :steps]), **TOL)
 
 
-def test_one_pass_matches_token_by_token(params, tokens, full_logits):
-    cache, steps = CFG.init_cache(B, T), []
+def token_by_token(cfg, params, tokens) -> np.ndarray:
+    """f32[B,S,V]: the logits of each position from one-token passes through the cache."""
+    cache, steps = cfg.init_cache(B, T), []
     for s in range(S):
-        logits, cache = run(CFG, params, tokens[:, s:s + 1], cache)
+        logits, cache = run(cfg, params, tokens[:, s:s + 1], cache)
         steps.append(logits[:, 0])
         cache = cache.with_lengths(cache.lengths + 1)
-    np.testing.assert_allclose(np.stack(steps, axis=1), full_logits, **TOL)
+    return np.stack(steps, axis=1)
+
+
+def test_one_pass_matches_token_by_token(params, tokens, full_logits):
+    np.testing.assert_allclose(token_by_token(CFG, params, tokens), full_logits, **TOL)
 
 
 def assert_healthy_spread(logits):
@@ -234,12 +238,7 @@ def test_scaled_rope_reaches_every_position_and_the_config_stays_static(params, 
     for b in range(B):
         np.testing.assert_allclose(logits[b], reference_logits(cfg, params, tokens[b]), **TOL)
     assert np.abs(np.asarray(logits) - full_logits).max() > 0.1
-    cache, steps = cfg.init_cache(B, T), []
-    for s in range(S):
-        step, cache = run(cfg, params, tokens[:, s:s + 1], cache)
-        steps.append(step[:, 0])
-        cache = cache.with_lengths(cache.lengths + 1)
-    np.testing.assert_allclose(np.stack(steps, axis=1), logits, **TOL)
+    np.testing.assert_allclose(token_by_token(cfg, params, tokens), logits, **TOL)
     again = LlamaConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
     assert again == cfg and hash(again) == hash(cfg) and again.rope_scaling.freq_factors == scaling.freq_factors
     with pytest.raises(ValueError, match=r"rope_freqs has 3 factors, head_dim 8 needs 4"):
@@ -354,9 +353,8 @@ def test_registry_models_share_the_byte_tokenizer():
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-random-draft"])
 def test_registry_models_have_healthy_spread(name):
     model, config, tokenizer = load_model(name)
-    apply_fn, params = split_model(model)
     tokens = jnp.asarray([tokenizer.encode("speculative decoding")], jnp.int32)
-    logits, _ = jax.jit(apply_fn)(params, tokens, config.init_cache(1, 32))
+    logits, _ = jax.jit(functools.partial(forward, config))(model.params(), tokens, config.init_cache(1, 32))
     assert_healthy_spread(logits)
 
 

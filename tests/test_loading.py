@@ -819,7 +819,8 @@ def test_folders_saved_in_earlier_layouts_load_transposed(tmp_path):
 
     from specdec_jax.drafters.eagle import EagleConfig, init_eagle
     from specdec_jax.drafters.heads import HEAD_MARKER, load_head, save_head
-    from specdec_jax.models.llama import LAYER_MATRICES, LAYOUT, from_in_out_layout
+    from specdec_jax.models.layouts import LAYOUT, from_in_out_layout
+    from specdec_jax.models.llama import LAYER_MATRICES
     from specdec_jax.models.loading import MODEL_DIR_MARKER
     from specdec_jax.models.registry import TINY_RANDOM
 

@@ -23,7 +23,7 @@ from specdec_jax import interrupts
 from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, eagle_shapes
 from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter, medusa_shapes
 from specdec_jax.files import write_text_atomic
-from specdec_jax.models.llama import LAYOUT, from_in_out_layout
+from specdec_jax.models.layouts import LAYOUT, from_in_out_layout
 
 HEAD_MARKER = "specdec_head.json"
 KINDS = {  # kind -> (config class, drafter class, shapes of the weights)

@@ -1,6 +1,6 @@
 """Model definitions, tokenizers and the by-name registry."""
 
-from specdec_jax.models.llama import Llama, LlamaConfig, forward, param_shapes, split_model
+from specdec_jax.models.llama import Llama, LlamaConfig, forward, param_shapes
 from specdec_jax.models.registry import (
     LoadedModel,
     known_models,
@@ -21,5 +21,4 @@ __all__ = [
     "param_shapes",
     "random_llama",
     "register_model",
-    "split_model",
 ]

@@ -8,8 +8,8 @@ sees one model type.
 
 The forward pass is a pure function of a flat dict of stacked weight arrays,
 :func:`forward`; :class:`Llama` is the ``flax.nnx`` container that owns those
-arrays (random init, loading, ``nnx.split``/optimizers), and :func:`split_model`
-hands out ``(apply_fn, params)`` for jitted decode loops.
+arrays (random init, loading, ``nnx.split``/optimizers); ``functools.partial(forward, config)``
+with :meth:`Llama.params` is a pure ``(apply_fn, params)`` pair for jitted loops.
 
 Weight layout (``L`` layers, ``H`` hidden, ``N``/``K`` query/kv heads of size
 ``D``, ``I`` MLP width, ``V`` vocab). Layer matrices are ``[out, in]``, as a
@@ -36,8 +36,8 @@ use the rotate-half RoPE order), and :func:`linear` computes ``x @ w.T``::
 Why ``[out, in]`` (the head too): XLA CPU runs ``w [out, in] . x^T`` for a few rows of ``x`` at
 about the cost of one matrix-vector product, where ``x @ w [in, out]`` costs a multiple of it from
 2 rows on; the head matters most, a large vocabulary making it a large share of the weights. Model
-and head folders that record an older layout are converted on load (:func:`from_saved_layout`,
-:func:`from_in_out_layout`): folders users trained and saved keep loading.
+and head folders that record an older layout are converted on load (`models.layouts`): folders
+users trained and saved keep loading.
 
 A draft with a reduced output vocabulary (``output_vocab_size = Vo < V``, for a
 cheap head) has ``lm_head [Vo, H]`` and ``vocab_map i32[Vo]``: logit ``j`` is
@@ -66,9 +66,8 @@ weighted sum, rounded once: :func:`attention`) and the output logits are compute
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +75,7 @@ import numpy as np
 from flax import nnx
 
 from specdec_jax.kv_cache import KVBlock, KVCache
+from specdec_jax.models.layers import attention, linear, rms_norm, visibility
 from specdec_jax.models.rope import RopeScaling, apply_rope, rope_tables
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, chain_positions
@@ -86,8 +86,6 @@ LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up
 BIAS_PARAMS = ("bq", "bk", "bv")  # [L, out]: attention_bias
 QK_NORM_PARAMS = ("q_norm", "k_norm")  # [L, D]: qk_norm
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # [L, out, in]
-LAYOUT = "out_in"  # what saved head folders record: the decoder layer's matrices are [out, in]
-MODEL_LAYOUT = "out_in_head"  # what saved model folders record: every matrix [out, in], lm_head [Vo, H] too
 DTYPES = ("float32", "bfloat16")  # weight dtypes (LlamaConfig.dtype)
 
 # Random init: embeddings and head ~ N(0, (LOGIT_STD / sqrt(H))^2) so that the
@@ -213,93 +211,6 @@ def init_params(cfg: LlamaConfig, key: jax.Array) -> dict[str, np.ndarray]:
             continue
         params[name] = (embed_std * rng.standard_normal(shape)).astype(np.float32)  # embed
     return params
-
-
-def from_in_out_layout(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``arrays`` with layer matrices ``[L, in, out]`` (folders that record no layout), in `MODEL_LAYOUT`'s
-    ``[L, out, in]``."""
-    return {name: np.ascontiguousarray(np.swapaxes(a, -1, -2)) if name in LAYER_MATRICES else a
-            for name, a in arrays.items()}
-
-
-def from_saved_layout(arrays: Mapping[str, np.ndarray], layout: str | None) -> dict[str, np.ndarray]:
-    """Model ``arrays`` saved under ``layout`` (a folder's ``"layout"``), in `MODEL_LAYOUT`: None (layer
-    matrices ``[L, in, out]``, head ``[H, V]``) and `LAYOUT` (head ``[H, V]``) are converted, so that
-    folders saved under them (trained drafts on users' disks) load."""
-    if layout == MODEL_LAYOUT:
-        return dict(arrays)
-    if layout not in (None, LAYOUT):
-        raise ValueError(f"unknown weight layout {layout!r}")
-    arrays = from_in_out_layout(arrays) if layout is None else dict(arrays)
-    if "lm_head" in arrays:
-        arrays["lm_head"] = np.ascontiguousarray(np.swapaxes(arrays["lm_head"], -1, -2))
-    return arrays
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., in] @ w.T`` for ``w [out, in]``, computed as ``w . x`` (``[out, ...]``, x's axes kept)
-    and transposed back: the form XLA CPU runs at matrix-vector speed for a few rows (module
-    docstring); flattening x's rows first ([out, B*S]) runs slower on it."""
-    return jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x), 0, -1)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """``x: [..., H]`` scaled to unit RMS (in float32), times ``weight: [H]``."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
-def visibility(lengths: jax.Array, steps: int, slots: int, block_mask: jax.Array | None) -> jax.Array:
-    """bool[B,S,W]: query ``(b, s)`` of a block written at ``lengths[b] + s`` sees slot ``j``.
-
-    It sees the committed slots ``j < lengths[b]`` and in-block slot ``lengths[b] + i``
-    iff ``block_mask[b, s, i]`` (``None``: causal, ``i <= s``, which is ``j <= lengths[b] + s``).
-    """
-    slot = jnp.arange(slots)[None, None, :]  # i32[1,1,W]
-    if block_mask is None:
-        return slot <= lengths[:, None, None] + jnp.arange(steps)[None, :, None]
-    offset = slot - lengths[:, None, None]  # i32[B,1,W] slot index inside the block
-    in_block = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(offset, 0, steps - 1),
-                                                                (lengths.shape[0], steps, slots)), axis=2)
-    return (offset < 0) | ((offset < steps) & in_block)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
-              block: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Grouped-query attention of the block over cache slots.
-
-    ``q: [B,S,N,D]``, ``k: [B,K,W,D]``, ``v: [B,K,D,W]`` (slots ``0..W-1``; the
-    cache layout, in which both products contract the minor axis), ``visible:
-    bool[B,S,W]`` (:func:`visibility`). With ``block = (k_b [B,S,K,D], v_b
-    [B,S,K,D], visible_b bool[B,S,S])`` the block's own keys/values are not in
-    the cache: the softmax runs over the visible cache slots and block tokens
-    together. Returns ``[B,S,N,D]`` in ``q``'s dtype.
-
-    Rule: scores, probabilities and the weighted sum of values are float32, rounded to
-    ``q``'s dtype once, at the end. The keys a verify pass reads from its block, the plain
-    step of the same token reads from the cache: the sum over keys is split in other places,
-    and rounding each part (or the probabilities) to bfloat16 would make the two outputs
-    differ (docs/models.md "Weight dtype").
-    """
-    batch, steps, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    f32 = jnp.float32
-    q = q.reshape(batch, steps, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("bskgd,bktd->bkgst", q, k, preferred_element_type=f32) / math.sqrt(head_dim)
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    if block is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgst,bkdt->bskgd", probs, v, preferred_element_type=f32)
-        return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype)
-    k_block, v_block, visible_block = block
-    own = jnp.einsum("bskgd,bjkd->bkgsj", q, k_block, preferred_element_type=f32) / math.sqrt(head_dim)
-    own = jnp.where(visible_block[:, None, None], own, -jnp.inf)
-    probs = jax.nn.softmax(jnp.concatenate([scores, own], axis=-1), axis=-1)
-    width = k.shape[2]
-    out = (jnp.einsum("bkgst,bkdt->bskgd", probs[..., :width], v, preferred_element_type=f32)
-           + jnp.einsum("bkgsj,bjkd->bskgd", probs[..., width:], v_block, preferred_element_type=f32))
-    return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype)
 
 
 def apply(
@@ -537,15 +448,3 @@ def _in_dtype(x, dtype: str) -> jax.Array:
     """``x`` as a jax array, cast to ``dtype`` if floating (integer arrays such as ``vocab_map`` kept)."""
     x = jnp.asarray(x)
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-
-ApplyFn = Callable[..., tuple[jax.Array | None, KVCache]]
-
-
-def split_model(model: Llama) -> tuple[ApplyFn, Params]:
-    """``(apply_fn, params)`` with ``apply_fn(params, tokens, cache, *, compute_logits=True)``.
-
-    ``apply_fn`` is :func:`forward` bound to the (static) config: pure, safe to
-    ``jax.jit`` (``static_argnames="compute_logits"``) and to call inside a loop.
-    """
-    return functools.partial(forward, model.config), model.params()

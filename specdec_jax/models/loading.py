@@ -18,8 +18,8 @@ import numpy as np
 from specdec_jax import cache, interrupts
 from specdec_jax.cache import cache_dir
 from specdec_jax.models.fetch import model_gguf, sha256_of
-from specdec_jax.models.llama import (MODEL_LAYOUT, Llama, LlamaConfig, check_params, from_saved_layout,
-                                      param_shapes)
+from specdec_jax.models.layouts import MODEL_LAYOUT, from_saved_layout
+from specdec_jax.models.llama import Llama, LlamaConfig, check_params, param_shapes
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.rope import HF_ROPE_TYPES, hf_rope_scaling, hf_rope_type
 from specdec_jax.models.tokenizer import BPETokenizer, ByteTokenizer
