@@ -16,6 +16,7 @@ import time
 import pytest
 
 from specdec_jax import cache
+from specdec_jax.models.loading import CACHE_FORMAT
 
 WORKER = pathlib.Path(__file__).with_name("cache_worker.py")
 PROCESSES = 3
@@ -80,7 +81,7 @@ def test_processes_started_together_on_an_empty_cache_build_each_entry_once_and_
     assert results[0]["calibration"] in {str(p.pid) for p in procs}
     counts = published(inputs)
     assert counts and set(counts.values()) == {1}, counts
-    kinds = {"split.gguf", f"v5-{cache_name(store / 'converted')}", cache_name(store / "datastores"),
+    kinds = {"split.gguf", f"{CACHE_FORMAT}-{cache_name(store / 'converted')}", cache_name(store / "datastores"),
              cache_name(store / "grammar")}
     assert kinds <= set(counts), (kinds, counts)
     assert any(name.endswith("-cache") for name in counts), counts  # a compiled program
@@ -89,9 +90,9 @@ def test_processes_started_together_on_an_empty_cache_build_each_entry_once_and_
 
 
 def cache_name(folder: pathlib.Path) -> str:
-    """The one entry in ``folder`` ("v5-<sha>" -> "<sha>" for converted models)."""
+    """The one entry in ``folder`` (CACHE_FORMAT + "-<sha>" -> "<sha>" for converted models)."""
     [name] = complete_entries(folder)
-    return name.removeprefix("v5-")
+    return name.removeprefix(f"{CACHE_FORMAT}-")
 
 
 def wait_for_line(stream, text: str) -> str:
