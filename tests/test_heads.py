@@ -107,7 +107,7 @@ def test_mismatched_heads_are_clear_errors(root, tmp_path):
     folder, summary = trained("eagle", root)
     eagle = load_head(summary["draft"])
     narrow = load_model("tiny-random-draft")  # hidden size 64, the head's 128
-    with pytest.raises(ValueError, match="hidden size 128"):
+    with pytest.raises(ValueError, match="the EAGLE head: built for hidden size 128"):
         engine.generate(narrow, [[1, 2, 3]], eagle, gamma=2, max_new_tokens=4)
     cfg = H.target().config
     deep = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, 4, 2, 32, feature_layers=(7,))
@@ -123,6 +123,10 @@ def test_mismatched_heads_are_clear_errors(root, tmp_path):
         engine.generate(H.target(), [[1, 2, 3]], MedusaDrafter(medusa, {"w": np.zeros((2, 128, 128), np.float32),
                                                                         "b": np.zeros((2, 128), np.float32)}),
                         gamma=3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="the Medusa heads: built for hidden size 128 and vocabulary 258; the target has 64"):
+        engine.generate(narrow, [[1, 2, 3]], MedusaDrafter(medusa, {"w": np.zeros((2, 128, 128), np.float32),
+                                                                    "b": np.zeros((2, 128), np.float32)}),
+                        gamma=2, max_new_tokens=4)
     bad = dict(eagle.params, vocab_map=np.zeros_like(eagle.params["vocab_map"]))  # repeated ids
     path = save_head(tmp_path / "bad", "eagle", eagle.config, bad, {})
     with pytest.raises(ValueError, match="vocab_map must hold distinct ids"):

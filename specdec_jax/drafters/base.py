@@ -154,3 +154,13 @@ def check_tree_topk(tree: TreeShape | None, output_ids: int, what: str) -> None:
     """ValueError naming the flag when a tree asks for more children per node than ``what`` has output ids."""
     if tree is not None and tree.topk > output_ids:
         raise ValueError(f"--tree-topk {tree.topk} exceeds the {output_ids} output ids of {what}: use at most {output_ids}")
+
+
+def check_head(tree: TreeShape | None, config, target: TargetModel, what: str) -> None:
+    """Checks of a head on the target's features (``config`` with ``hidden_size``, ``vocab_size`` and
+    ``output_vocab_size``): `check_tree_topk`, and a ValueError when ``what`` (e.g. "the EAGLE head") was
+    built for another hidden size or vocabulary than the target's."""
+    check_tree_topk(tree, config.output_vocab_size or config.vocab_size, what)
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise ValueError(f"{what}: built for hidden size {config.hidden_size} and vocabulary {config.vocab_size}; "
+                         f"the target has {target.hidden_size} and {target.vocab_size}")

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_tree_topk
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
 from specdec_jax.drafters.chain import draw_chain
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
@@ -182,10 +182,7 @@ class EagleDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
-        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.vocab_size, "the EAGLE head")
-        if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(f"the EAGLE head was built for hidden size {cfg.hidden_size} and vocabulary "
-                             f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+        check_head(self.tree, cfg, target, "the EAGLE head")
         bad = [x for x in cfg.feature_layers if not (x == FINAL_NORM or 0 <= x < target.num_layers)]
         if bad:
             raise ValueError(f"the EAGLE head reads target layers {list(cfg.feature_layers)}; "

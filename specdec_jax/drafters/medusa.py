@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import tree as trees
-from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_tree_topk
+from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
 from specdec_jax.drafters.chain import draw_chain, empty_proposal
 from specdec_jax.target import FINAL_NORM, TargetModel
 from specdec_jax.tree import TreeShape
@@ -97,10 +97,7 @@ class MedusaDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
-        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.vocab_size, "the Medusa heads")
-        if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(f"the Medusa heads were built for hidden size {cfg.hidden_size} and vocabulary "
-                             f"{cfg.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}")
+        check_head(self.tree, cfg, target, "the Medusa heads")
         if self.tree is not None and self.tree.depth > cfg.num_heads:
             raise ValueError(f"a tree of depth {self.tree.depth} needs as many Medusa heads; these have "
                              f"{cfg.num_heads}")
