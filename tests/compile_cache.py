@@ -4,9 +4,10 @@ the subprocesses that import this module.
 
 Compiling dominates the suite's time on CPU (tiny models run in milliseconds), so:
 
-- the tests compile with LLVM's optimisation level 0 (XLA's own graph passes, fusion
-  included, still run: the same programs with less machine-code optimisation; about
-  25% less time). Setting XLA_FLAGS's optimisation level yourself overrides it.
+- the tests compile with LLVM's optimisation level 0 and XLA CPU's classic fusion emitters
+  instead of its MLIR ones (`COMPILE_FLAGS`): XLA's own graph passes, fusion included,
+  still run, so these are the same programs with cheaper machine code generation
+  (docs/testing.md gives the measured effect). A flag set in XLA_FLAGS yourself wins.
 - compiled programs are shared across test files and worker processes (pytest-xdist,
   `-n 2` in pyproject.toml) and kept across runs by JAX's persistent compilation
   cache in `$SPECDEC_TEST_COMPILE_CACHE` (default `$SPECDEC_CACHE/test-compile-cache`;
@@ -29,10 +30,15 @@ import shutil
 import tempfile
 
 
+# XLA flags the suite compiles with, each unless XLA_FLAGS sets it already (module docstring)
+COMPILE_FLAGS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": "false"}
+
+
 def configure() -> None:
     """Sets the environment above; call it before importing jax."""
-    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    for flag, value in COMPILE_FLAGS.items():
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{flag}={value}").strip()
     # specdec_jax.cache.cache_dir's rule, restated: importing the package would import jax before these settings.
     folder = os.environ.get("SPECDEC_TEST_COMPILE_CACHE") or str(
         pathlib.Path(os.environ.get("SPECDEC_CACHE") or "~/.cache/specdec_jax").expanduser() / "test-compile-cache")
