@@ -1,5 +1,5 @@
-"""Drafters: n-gram prompt lookup, retrieval from a token datastore, a draft model, EAGLE and Medusa heads on the
-target's features, and the oracle (for experiments).
+"""Drafters: n-gram prompt lookup, retrieval from a token datastore, a draft model, EAGLE (EAGLE-3 included) and
+Medusa heads on the target's features, and the oracle (for experiments).
 
 The protocol (`DraftContext`, `Drafter`, `DrafterBase`, `Proposal`, `drafters.base`) and the table of
 drafters (`register_drafter`, `drafters.table`) load with the package; each drafter's class loads from its
@@ -14,7 +14,7 @@ from specdec_jax.drafters.table import DrafterSpec, drafter_spec, register_draft
 LAZY = {  # name -> the module that defines it
     "EagleConfig": "eagle", "EagleDrafter": "eagle", "MedusaConfig": "medusa", "MedusaDrafter": "medusa",
     "ModelDrafter": "model", "oracle_drafter": "model", "NgramDrafter": "ngram", "RetrievalDrafter": "retrieval",
-    "load_head": "heads",
+    "load_head": "heads", "Eagle3Config": "eagle3", "Eagle3Drafter": "eagle3", "load_drafter_folder": "published",
 }
 
 __all__ = ["DraftContext", "Drafter", "DrafterBase", "DrafterSpec", "Proposal", "drafter_spec", "register_drafter",

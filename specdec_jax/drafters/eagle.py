@@ -190,60 +190,80 @@ class EagleDrafter(DrafterBase):
         if mesh is not None:
             check_model_axis(mesh, cfg.layer, "the EAGLE head")
 
+    # The head's own pieces; an EAGLE-3 head (`drafters.eagle3`) overrides these, the algorithm below is shared.
+    def _project(self, params, features: jax.Array) -> jax.Array:
+        """f32[..., H]: target features f32[..., k, H] as the head's inputs (`project`)."""
+        return project(self.config, params, features)
+
+    def _pass(self, params, ctx, tokens, inputs, cache, positions, block_mask=None, defer_writes=False):
+        """`head_pass` with the target of ``ctx`` (a draft or prefill context)."""
+        return head_pass(self.config, params, ctx.target, ctx.target_params, tokens, inputs, cache, positions,
+                         block_mask, defer_writes)
+
+    def _logits(self, params, ctx, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(logits f32[..., Vo], fed f32[..., H])`` of outputs ``h``: the next token's logits and what the
+        next draft step is fed (EAGLE: ``h`` itself)."""
+        return head_logits(self.config, params, ctx.target, ctx.target_params, h), h
+
+    def _layer(self) -> LlamaConfig:
+        return self.config.layer
+
     def init(self, params, prefill: PrefillContext) -> EagleState:
-        cfg, prompts = self.config, prefill.prompts
+        """The head's cache over the prompt (input j: token j + 1 with the prompt's feature j)."""
+        prompts = prefill.prompts
         batch, width = prompts.shape
-        inputs = project(cfg, params, prefill.features)  # f32[B,P,H], input j pairs with token j + 1
+        inputs = self._project(params, prefill.features)  # f32[B,P,H]
         following = jnp.pad(prompts[:, 1:], ((0, 0), (0, 1)))
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
-        cache = cfg.layer.init_cache(batch, prefill.capacity)
-        _, cache = head_pass(cfg, params, prefill.target, prefill.target_params, following, inputs, cache, positions)
+        _, cache = self._pass(params, prefill, following, inputs, self._layer().init_cache(batch, prefill.capacity),
+                              positions)
         last = jnp.take_along_axis(inputs, jnp.maximum(prefill.prompt_lens - 2, 0)[:, None, None], axis=1)[:, 0]
         return EagleState(cache=cache, last_feature=last)
 
-    def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int):
-        cfg, target, target_params = self.config, ctx.target, ctx.target_params
+    def _reencode(self, params, state: EagleState, ctx: DraftContext):
+        """The round's block pass (module docstring, step 1): ``(h f32[B,H] at slot n - 2, cache, the
+        projected feature of token n - 2 f32[B,H])``."""
         n, emitted = ctx.num_tokens, ctx.last_emit
         block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
         start = jnp.maximum(n - 1 - block, 0)
         column = jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: what one verify pass can commit
-        index = jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1)
-        tokens = jnp.take_along_axis(ctx.tokens, index, axis=1)
+        tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1),
+                                     axis=1)
         fresh = emitted[:, None, None] >= 1
-        inputs = jnp.where(fresh, project(cfg, params, ctx.features), state.last_feature[:, None, :])
-        h, cache = head_pass(cfg, params, target, target_params, tokens, inputs, state.cache.with_lengths(start),
-                             start[:, None] + column)
-        h_last = jnp.take_along_axis(h, (block - 1)[:, None, None], axis=1)[:, 0]  # predicts token n - 1's feature
-        last_feature = jnp.where(fresh[:, 0], jnp.take_along_axis(inputs, (block - 1)[:, None, None], axis=1)[:, 0],
-                                 state.last_feature)
+        inputs = jnp.where(fresh, self._project(params, ctx.features), state.last_feature[:, None, :])
+        h, cache = self._pass(params, ctx, tokens, inputs, state.cache.with_lengths(start), start[:, None] + column)
+        newest = lambda a: jnp.take_along_axis(a, (block - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
+        return newest(h), cache, jnp.where(fresh[:, 0], newest(inputs), state.last_feature)
 
-        def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
-            cache, h_prev = carry
-            slot = n - 1 + step
-            h, cache = head_pass(cfg, params, target, target_params, token[:, None], h_prev[:, None],
-                                 cache.with_lengths(slot), slot[:, None])
-            return head_logits(cfg, params, target, target_params, h[:, 0]), (cache, h[:, 0])
-
+    def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int):
+        n = ctx.num_tokens
+        h_last, cache, last_feature = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
+        first, fed = self._logits(params, ctx, h_last)
         if self.tree is not None:
-            proposal = self._dynamic_tree(params, cache, h_last, ctx, gamma)
-            return proposal, EagleState(cache=cache, last_feature=last_feature)
-        first = head_logits(cfg, params, target, target_params, h_last)
-        proposal, (cache, _) = draw_chain(ctx, gamma, first, feed, (cache, h_last), cfg.vocab_size,
-                                          params.get("vocab_map"))
+            proposal = self._dynamic_tree(params, cache, first, fed, ctx, gamma)
+        else:
+            def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
+                cache, fed = carry
+                slot = n - 1 + step
+                h, cache = self._pass(params, ctx, token[:, None], fed[:, None], cache.with_lengths(slot),
+                                      slot[:, None])
+                logits, fed = self._logits(params, ctx, h[:, 0])
+                return logits, (cache, fed)
+
+            proposal, (cache, _) = draw_chain(ctx, gamma, first, feed, (cache, fed), self._layer().vocab_size,
+                                              params.get("vocab_map"))
         proposal = proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))
         return proposal, EagleState(cache=cache, last_feature=last_feature)
 
-    def _dynamic_tree(self, params, cache: KVCache, h_last: jax.Array, ctx: DraftContext, nodes: int) -> Proposal:
+    def _dynamic_tree(self, params, cache: KVCache, first: jax.Array, fed: jax.Array, ctx: DraftContext,
+                      nodes: int) -> Proposal:
         """EAGLE-2's dynamic tree of ``nodes`` nodes (`drafters.dynamic_tree`): each fed node's input
-        is its parent's output feature; the head's cache is read, not written."""
-        cfg, target, target_params, n = self.config, ctx.target, ctx.target_params, ctx.num_tokens
+        is its parent's fed-back output; the head's cache is read, not written."""
+        n = ctx.num_tokens
 
         def expand(tokens, mask, depth, inputs):
-            h, _ = head_pass(cfg, params, target, target_params, tokens, inputs, cache.with_lengths(n - 1),
-                             n[:, None] - 2 + depth, mask, defer_writes=True)
-            newest = h[:, -self.tree.topk:]
-            return head_logits(cfg, params, target, target_params, newest), newest
+            h, _ = self._pass(params, ctx, tokens, inputs, cache.with_lengths(n - 1), n[:, None] - 2 + depth, mask,
+                              defer_writes=True)
+            return self._logits(params, ctx, h[:, -self.tree.topk:])
 
-        first = head_logits(cfg, params, target, target_params, h_last)
-        proposal = grow_dynamic_tree(self.tree, nodes, first, h_last, expand, params.get("vocab_map"), ctx.grammar)
-        return proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))
+        return grow_dynamic_tree(self.tree, nodes, first, fed, expand, params.get("vocab_map"), ctx.grammar)

@@ -122,14 +122,14 @@ def _retrieval(cfg, target, mesh):  # one device only: RetrievalDrafter.check re
 
 
 def _draft_model(cfg, target, mesh):
-    from specdec_jax.drafters.heads import head_kind
     from specdec_jax.drafters.model import ModelDrafter
+    from specdec_jax.drafters.published import head_kind
     from specdec_jax.models import load_model
     from specdec_jax.sharding import place_model
 
-    kind = head_kind(cfg.draft_model)
-    if kind is not None:
-        raise ValueError(f"{cfg.draft_model} holds a trained {kind} head, not a draft model: use --drafter {kind}")
+    held = head_kind(cfg.draft_model)
+    if held is not None:
+        raise ValueError(f"{cfg.draft_model} holds a {held[0]} head, not a draft model: use --drafter {held[1]}")
     draft = load_model(cfg.draft_model, dtype=cfg.dtype)
     if cfg.drafting.draft_vocab:
         draft = draft.with_output_vocab(cfg.drafting.draft_vocab)
@@ -145,10 +145,12 @@ def _oracle(cfg, target, mesh):
 
 
 def _head(cfg, target, mesh):
-    """A trained head folder of the drafter's kind (`drafters.heads`: eagle, medusa)."""
-    from specdec_jax.drafters.heads import load_head
+    """A head folder of the drafter's kind: this project's trained heads (`drafters.heads`) or published
+    ones (`drafters.published`: speculators and SafeAILab EAGLE-3, Medusa-1)."""
+    from specdec_jax.drafters.published import load_drafter_folder
 
-    return dataclasses.replace(load_head(cfg.draft_model, kind=cfg.drafter, target=target), tree=cfg.tree_shape)
+    drafter = load_drafter_folder(cfg.draft_model, kind=cfg.drafter, target=target)
+    return dataclasses.replace(drafter, tree=cfg.tree_shape)
 
 
 register_drafter("ngram", _ngram, "prompt lookup, the continuation of the latest earlier occurrence of the "
@@ -159,8 +161,9 @@ register_drafter("draft-model", _draft_model, "a smaller model of the target's v
                  needs=("draft_model",), trees=True, settings=("draft_vocab",), peer="assisted", trained_kind="model")
 register_drafter("oracle", _oracle, "proposes the target's own token with probability --oracle-alpha (for "
                  "experiments)", settings=("oracle_alpha",))
-register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a trained head folder, "
-                 "--draft-model)", needs=("draft_model",), trees=True, trained_kind="eagle")
-register_drafter("medusa", _head, "Medusa heads on the target's last hidden state (a trained head folder, "
-                 "--draft-model)", needs=("draft_model",), trees=True, settings=("tree_choices",),
-                 trained_kind="medusa")
+register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a trained head folder, or a "
+                 "published EAGLE-3 head of speculators or SafeAILab: --draft-model)", needs=("draft_model",),
+                 trees=True, trained_kind="eagle")
+register_drafter("medusa", _head, "Medusa heads on the target's last hidden state (a trained head folder, or "
+                 "FasterDecoding's Medusa-1 heads: --draft-model)", needs=("draft_model",), trees=True,
+                 settings=("tree_choices",), trained_kind="medusa")

@@ -122,15 +122,45 @@ def _weight_map(index: pathlib.Path) -> dict[str, str]:
 
 
 def read_safetensors(file: pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file, or a one-line ValueError naming it (cut short, corrupt)."""
-    from safetensors import SafetensorError
+    """Every tensor of a safetensors file, or a one-line ValueError naming it (cut short, corrupt).
+    bfloat16 tensors (which the safetensors package's numpy reader refuses) come as float32, exactly."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     try:
-        return load_file(file)
+        with safe_open(file, framework="numpy") as opened:
+            bf16 = [name for name in opened.keys() if opened.get_slice(name).get_dtype() == "BF16"]
+        if not bf16:
+            return load_file(file)
+        return _read_with_bfloat16(file)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)}): it is truncated or "
                          "corrupt; download it again") from None
+
+
+def _read_with_bfloat16(file: pathlib.Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file holding bfloat16 ones, read from its header and bytes (the
+    format: an 8-byte little-endian header size, a JSON header of name -> dtype, shape and data offsets,
+    the data); bfloat16 widened to float32. A header that does not fit the file is an OSError."""
+    import ml_dtypes
+
+    dtypes = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+              "I16": np.int16, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
+    raw = np.memmap(file, dtype=np.uint8, mode="r")
+    size = int(raw[:8].view("<u8")[0])
+    header = json.loads(bytes(raw[8:8 + size]))
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in dtypes:
+            raise OSError(f"tensor {name} has dtype {entry['dtype']}, which this reader does not know")
+        begin, end = (8 + size + offset for offset in entry["data_offsets"])
+        if end > raw.size:
+            raise OSError(f"tensor {name} runs past the end of the file")
+        array = np.frombuffer(raw[begin:end].tobytes(), dtypes[entry["dtype"]]).reshape(entry["shape"])
+        out[name] = array.astype(np.float32) if entry["dtype"] == "BF16" else array
+    return out
 
 
 def read_json(path: pathlib.Path) -> dict:
