@@ -8,7 +8,7 @@ The processed law (temperature, top-k, top-p, min-p) is applied here in float64
 numpy on the host by `processed_law`, written independently of
 `specdec_jax.sampling.process_logits` (one row at a time, plain sorting and
 cumulative sums), so a test comparing the engine against it checks the engine's
-transforms too. Rules (those `process_logits` documents): order temperature ->
+transforms too. Rules (those `process_logits` documents): order logit bias -> temperature ->
 top-k -> top-p -> min-p; top-k keeps every token whose logit ties the k-th
 largest; top-p, computed on the top-k-filtered law renormalised, keeps the
 smallest set of top tokens whose mass is >= top_p, plus every token tied with
@@ -99,13 +99,17 @@ def continuation_logits(config, params, prompt: list[int], new: int) -> tuple[np
 
 
 def sequence_law(config, params, prompt: list[int], new: int, *, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, return_margin: bool = False):
+                 top_p: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 return_margin: bool = False):
     """f64[V^new]: probability of each continuation, index sum_i x_i V^(new-1-i), under the processed
-    law (`processed_law`; the defaults are temperature 1, no truncation: the softmax).
+    law (`processed_law`; the defaults are temperature 1, no truncation: the softmax) of the logits plus
+    ``logit_bias`` ({token id: bias}, -inf a ban), added first as `sampling.process_logits` does.
 
     With return_margin, also the `processed_law` margin over every context the law uses.
     """
     seqs, logits = continuation_logits(config, params, prompt, new)
+    for token, bias in (logit_bias or {}).items():
+        logits[..., token] += bias
     laws, margin = processed_law(logits, temperature, top_k, top_p, min_p, return_margin=True)
     start, rows = len(prompt), np.arange(len(seqs))
     law = np.prod([laws[rows, i, seqs[:, start + i]] for i in range(new)], axis=0)

@@ -39,6 +39,11 @@ FLAG_HELP = {  # the drafters a setting is for are added from the table of draft
     "repetition_penalty": "divides positive (multiplies negative) logits of prompt and generated tokens; 1 = off",
     "presence_penalty": "subtracted from the logit of every token generated so far; 0 = off",
     "frequency_penalty": "subtracted per occurrence of a token generated so far; 0 = off",
+    "logit_bias": "TOKEN=BIAS: added to that token's logit before every other transform, in the target's and the "
+                  "drafter's laws; -inf bans it (repeatable)",
+    "logprobs": "report each emitted token's log-prob and its K (0-20) most likely alternatives (--json: 'logprobs')",
+    "logprobs_mode": "raw: the target's log_softmax of its logits; processed: the law the run samples from (bias, "
+                     "penalties, temperature, top-k/p, min-p, grammar)",
     "max_new_tokens": "token budget per prompt",
     "seed": "random seed",
     "batch_size": "prompts per batch",
@@ -84,6 +89,20 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}") from None
 
 
+def _token_bias(text: str) -> tuple[int, float]:
+    """--logit-bias TOKEN=BIAS: ``(token, bias)``; the bias may be -inf (a ban)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS (e.g. 42=-inf or 7=2.5), got {text!r}") from None
+
+
+FLAG_TYPES = {"logit_bias": (_token_bias, "TOKEN=BIAS")}  # repeatable flags whose values are not plain ids
+
+
 def _flag_type(hint) -> type | Callable[[str], int | str]:
     """What parses a flag of a setting annotated ``hint``: int or 'auto', int, float or str."""
     args = typing.get_args(hint) or (hint,)
@@ -99,9 +118,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         if isinstance(value, bool):
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         elif isinstance(value, tuple):  # repeatable
-            kind = typing.get_args(key.hint)[0]
-            parser.add_argument(flag, action="append", type=kind, default=None, help=help_text,
-                                metavar="ID" if kind is int else None)
+            kind = typing.get_args(key.hint)[0] if name not in FLAG_TYPES else FLAG_TYPES[name][0]
+            metavar = FLAG_TYPES[name][1] if name in FLAG_TYPES else "ID" if kind is int else None
+            parser.add_argument(flag, action="append", type=kind, default=None, help=help_text, metavar=metavar)
         else:
             parser.add_argument(flag, type=_flag_type(key.hint), default=None, help=f"{help_text} (default {value})")
     parser.add_argument("--config", type=pathlib.Path, help="YAML config file (flags override it)")

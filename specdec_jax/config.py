@@ -21,13 +21,14 @@ its keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any, ClassVar
 
 import yaml
 
 from specdec_jax.drafters.table import PLAIN, drafter_names, drafter_spec, drafters, names_where
-from specdec_jax.engine.request import AUTO, MAX_NEW_TOKENS
+from specdec_jax.engine.request import AUTO, LOGPROBS_MODES, MAX_LOGPROBS, MAX_NEW_TOKENS
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models.llama import DTYPES
 from specdec_jax.rng import SEED_LIMIT
@@ -53,7 +54,7 @@ def _check(settings, checks, prefix: str = "") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """The prompts, how they are encoded and batched, and when a row ends."""
+    """The prompts, how they are encoded and batched, when a row ends, and what is read out per token."""
 
     prompt: tuple[str, ...] = ()
     prompts_file: str | None = None
@@ -62,11 +63,16 @@ class Inputs:
     max_new_tokens: int = 128
     ignore_eos: bool = False
     stop_id: tuple[int, ...] = ()  # extra token ids that end a row (kept in the output), beside the model's
+    logprobs: int | None = None  # K: each emitted token's log-prob and its K most likely alternatives; None: off
+    logprobs_mode: str = "raw"  # raw: the target's log_softmax; processed: the law the run samples from
 
     def __post_init__(self):
         check_types(self)
         _check(self, (("max_new_tokens", 1 <= self.max_new_tokens < MAX_NEW_TOKENS, "an int in [1, 2**31 - 2**20)"),
-                      ("batch_size", self.batch_size >= 1, "an int >= 1")))
+                      ("batch_size", self.batch_size >= 1, "an int >= 1"),
+                      ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                       f"an int in [0, {MAX_LOGPROBS}]"),
+                      ("logprobs_mode", self.logprobs_mode in LOGPROBS_MODES, f"one of {', '.join(LOGPROBS_MODES)}")))
         if not all(i >= 0 for i in self.stop_id):
             raise SettingError(f"stop_id must be token ids (ints >= 0), got {list(self.stop_id)!r}", "stop_id")
 
@@ -236,8 +242,11 @@ class RunConfig:
         return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat keys and their values (lists for tuples): what `run_config` takes and reports embed."""
-        return {key: list(v) if isinstance(v := self.value(key), tuple) else v for key in KEYS}
+        """The flat keys and their values (lists for tuples; the logit bias a mapping {id: bias}, a ban as
+        the string "-inf", which JSON can hold): what `run_config` takes and reports embed."""
+        flat = {key: list(v) if isinstance(v := self.value(key), tuple) else v for key in KEYS}
+        flat["logit_bias"] = {token: "-inf" if bias == -math.inf else bias for token, bias in self.sampling.logit_bias}
+        return flat
 
     def updated(self, **flat) -> RunConfig:
         """This config with the flat keys ``flat`` changed (`run_config`'s checks)."""

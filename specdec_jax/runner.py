@@ -114,18 +114,36 @@ def run(cfg: RunConfig, target=None, drafter=None, records=None, progress: bool 
             target, chunk, drafter, gamma=cfg.effective_gamma, sampling=cfg.sampling,
             max_new_tokens=inputs.max_new_tokens, stop_ids=stop_ids(cfg, tok),
             seed=cfg.seed, row_ids=range(start, start + len(chunk)), mesh=mesh, grammars=grammar,
+            logprobs=inputs.logprobs, logprobs_mode=inputs.logprobs_mode,
         )
         wall += out.wall_s
         parts.append(out.metrics)
         policies.append(dataclasses.asdict(out.policy) if out.policy is not None else None)
-        for record, ids, tokens, reason in zip(records[start:], chunk, out.tokens, out.stop_reasons):
+        for row, (record, ids, tokens, reason) in enumerate(zip(records[start:], chunk, out.tokens, out.stop_reasons)):
             results.append({**record, "prompt_tokens": ids, "tokens": tokens, "text": tok.decode(tokens),
-                            "stop_reason": reason})
+                            "stop_reason": reason, **logprob_entries(out, row)})
     metrics = Metrics.combine(parts)
     summary = {k: v for k, v in metrics.to_dict().items() if k not in ("position_proposed", "position_accepted")}
     summary.update(wall_s=wall, tokens_per_s=metrics.emitted_tokens / wall if wall else float("nan"))
     # shape_policies: per batch, the costs (units of T1) and constants gamma "auto" decided with
     return {"config": cfg.to_dict(), "results": results, "metrics": summary, "shape_policies": policies}
+
+
+def _logprob(x) -> float | None:
+    """A log-prob for JSON: -inf (a token the processed law excludes) as None."""
+    return None if x == -math.inf else float(x)
+
+
+def logprob_entries(out, row: int) -> dict:
+    """``{"logprobs": [{"token", "logprob", "top": [[id, logprob], ...]}, ...]}``, one entry per emitted
+    token of ``row`` of a `GenerationResult` run with logprobs (-inf as None), else {}."""
+    if out.logprobs is None:
+        return {}
+    ids, logp = out.target_top[row]
+    return {"logprobs": [
+        {"token": int(token), "logprob": _logprob(out.logprobs[row][i]),
+         "top": [[int(t), _logprob(x)] for t, x in zip(ids[i], logp[i])]}
+        for i, token in enumerate(out.tokens[row])]}
 
 
 def shape_label(cfg: RunConfig) -> str:

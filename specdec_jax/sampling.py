@@ -5,7 +5,7 @@ from. The target's `p` and the drafter's `q` both go through it, so the
 exactness claim of speculative decoding holds for the target decoder *after*
 these transforms. Order (as HF transformers):
 
-    penalties -> temperature -> top-k -> top-p -> min-p -> softmax
+    logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> softmax
 
 Temperature 0 means greedy: the law is a one-hot at the argmax of the penalized
 logits. A batch may mix greedy and sampled rows.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import flax.struct
@@ -37,6 +37,39 @@ import numpy as np
 def finite32(x: float) -> bool:
     """``x`` is finite in float32 (1e39 is finite in Python but inf on device)."""
     return math.isfinite(x) and abs(x) <= float(np.finfo(np.float32).max)
+
+
+def _float_or_text(text: str) -> float | str:
+    """``text`` as a float where it is one ("-inf", "2.5"), else itself (refused by the caller)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def logit_bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias ({id: bias}, or (id, bias) pairs; ids and biases may be strings, as JSON keys and
+    its "-inf" are) as pairs sorted by id; ValueError for an id that is not an int >= 0, an id given twice, or a bias
+    that is NaN, +inf or beyond float32 (-inf is a ban)."""
+    items = list(bias.items() if isinstance(bias, Mapping) else bias)
+    pairs = {}
+    for item in items:
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+        token, value = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if isinstance(value, str):  # "-inf": how JSON, which has no infinity, carries a ban
+            value = _float_or_text(value)
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r}")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
+                value == -math.inf or abs(value) < 2**128 and finite32(float(value))):
+            raise ValueError(f"logit_bias: the bias of token {token} must be finite in float32 or -inf, got {value!r}")
+        if int(token) in pairs:
+            raise ValueError(f"logit_bias: token {token} is given twice")
+        pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +84,8 @@ class SamplingParams:
       generated); 1 = off.
     presence_penalty: subtracted once from the logit of every token generated so far.
     frequency_penalty: subtracted once per occurrence of a token generated so far.
+    logit_bias: ((token id, bias), ...) added to the raw logits before everything else; -inf bans
+      the token. Given as a mapping {id: bias} or pairs; kept as pairs sorted by id (hashable).
     """
 
     temperature: float = 0.0
@@ -60,8 +95,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple = ()  # tuple[tuple[int, float], ...]; bare `tuple` so a YAML mapping passes `typed.coerce`
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         is_int = isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool)
         finite_temperature = self.temperature >= 0 and finite32(self.temperature)
         checks = (
@@ -117,6 +154,10 @@ class RowSampling:
     use_min_p: bool = flax.struct.field(pytree_node=False)
     use_penalties: bool = flax.struct.field(pytree_node=False)
     any_sampled: bool = flax.struct.field(pytree_node=False)
+    # Each row's logit bias as K (id, bias) pairs, padded with (0, 0.0): i32[B,K], f32[B,K]; None when
+    # no row has one (nothing compiled in).
+    bias_ids: jax.Array | None = None
+    bias: jax.Array | None = None
 
     @classmethod
     def from_params(
@@ -148,7 +189,29 @@ class RowSampling:
             use_min_p=any(p.min_p > 0 for p in sampled),
             use_penalties=any(p.has_penalties for p in params),
             any_sampled=bool(sampled),
+            **_bias_columns(params),
         )
+
+    def take(self, ids: jax.Array, vocab_size: int) -> RowSampling:
+        """These settings over a reduced vocabulary, the target ids ``ids`` i32[Vo] of V = ``vocab_size``:
+        each bias moved to its id's index in ``ids`` (dropped where ``ids`` lacks the id)."""
+        if self.bias_ids is None:
+            return self
+        index = jnp.full((vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+        moved = index[self.bias_ids]  # i32[B,K], -1 outside the reduced vocabulary
+        return self.replace(bias_ids=jnp.maximum(moved, 0), bias=jnp.where(moved >= 0, self.bias, 0.0))
+
+
+def _bias_columns(params: Sequence[SamplingParams]) -> dict:
+    """RowSampling's ``bias_ids`` i32[B,K] and ``bias`` f32[B,K] (K the most pairs of a row), or {}."""
+    width = max(len(p.logit_bias) for p in params)
+    if width == 0:
+        return {}
+    ids, bias = np.zeros((len(params), width), np.int32), np.zeros((len(params), width), np.float32)
+    for row, p in enumerate(params):
+        for column, (token, value) in enumerate(p.logit_bias):
+            ids[row, column], bias[row, column] = token, value
+    return {"bias_ids": jnp.asarray(ids), "bias": jnp.asarray(bias)}
 
 
 class PenaltyCounts(NamedTuple):
@@ -191,9 +254,10 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 def penalize(logits: jax.Array, sampling: RowSampling, counts: PenaltyCounts | None = None) -> jax.Array:
-    """f32 logits after the repetition, presence and frequency penalties (the first step of
-    `process_logits`; its argmax is a greedy row's token); arguments as there."""
-    x = logits.astype(jnp.float32)
+    """f32 logits plus each row's logit bias, then after the repetition, presence and frequency
+    penalties (the first steps of `process_logits`; its argmax is a greedy row's token); arguments
+    as there."""
+    x = add_bias(logits.astype(jnp.float32), sampling)
     if not sampling.use_penalties:
         return x
     if counts is None:
@@ -202,6 +266,16 @@ def penalize(logits: jax.Array, sampling: RowSampling, counts: PenaltyCounts | N
     x = jnp.where(counts.context > 0, jnp.where(x > 0, x / rp, x * rp), x)
     return (x - _per_row(sampling.presence_penalty, x.ndim) * (counts.generated > 0)
             - _per_row(sampling.frequency_penalty, x.ndim) * counts.generated)
+
+
+def add_bias(x: jax.Array, sampling: RowSampling) -> jax.Array:
+    """``x`` f32[B,...,V] plus each row's logit bias (``sampling.bias`` at ``sampling.bias_ids``)."""
+    if sampling.bias_ids is None:
+        return x
+    batch = x.shape[0]
+    dense = jnp.zeros((batch, x.shape[-1]), jnp.float32).at[jnp.arange(batch)[:, None], sampling.bias_ids].add(
+        sampling.bias, mode="drop")  # f32[B,V]; ids past V (a bias id the caller did not check) dropped
+    return x + dense.reshape((batch,) + (1,) * (x.ndim - 2) + (x.shape[-1],))
 
 
 def _per_row(a: jax.Array, ndim: int) -> jax.Array:

@@ -2,8 +2,8 @@
 
 Every drafter that samples from its own law (a draft model, an EAGLE head,
 Medusa heads) does the same at each draft position: process its logits with
-the row's sampling settings (the transforms the target's law goes through,
-penalties counted over the committed tokens and the earlier drafts), draw with
+the row's sampling settings (the transforms the target's law goes through: the
+logit bias, penalties counted over the committed tokens and the earlier drafts), draw with
 the key of that position (`rng.Purpose.DRAFT`; greedy rows take the argmax), map
 a reduced output vocabulary back to target ids, and keep the law as q. Under a
 grammar constraint the logits are first masked to the tokens the grammar allows
@@ -49,8 +49,10 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     """
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
         return empty_proposal(first_logits.shape[0]), carry
+    # the row's settings over the drafter's ids (a logit bias moved to them), so q's transforms are p's
+    sampling = ctx.sampling if vocab_map is None else ctx.sampling.take(vocab_map, vocab_size)
     counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
-    if ctx.sampling.use_penalties:
+    if sampling.use_penalties:
         counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)
         counts = counts if vocab_map is None else counts.take(vocab_map)
     keep_laws = ctx.sampling.any_sampled and corrupt_alpha is None
@@ -61,11 +63,11 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
         keys = ctx.keys[:, index]  # key[B] of this draft's position
         if constraint is not None:
             logits = constraint.constrain(logits, states, index, vocab_map)
-        if ctx.sampling.any_sampled:
-            law = process_logits(logits, ctx.sampling, counts)  # f32[B,Vo]
-            drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, ctx.sampling)  # i32[B] into the Vo ids
+        if sampling.any_sampled:
+            law = process_logits(logits, sampling, counts)  # f32[B,Vo]
+            drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, sampling)  # i32[B] into the Vo ids
         else:  # every row greedy: the token without the law
-            law, drawn = None, first_argmax(penalize(logits, ctx.sampling, counts))
+            law, drawn = None, first_argmax(penalize(logits, sampling, counts))
         token = drawn if vocab_map is None else vocab_map[drawn]
         if corrupt_alpha is not None:
             token = _corrupt(keys, token, corrupt_alpha, vocab_size)

@@ -91,7 +91,8 @@ def prefill(spec: EngineSpec, params: EngineParams, prompts, prompt_lens, max_ne
         step=jnp.zeros((), jnp.int32),
         target_top=(jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.int32),
                     jnp.zeros((batch, spec.buffer_len, spec.record_top_k), jnp.float32))
-        if spec.record_top_k else None,
+        if spec.record_top_k or spec.record_mode else None,
+        target_chosen=None if spec.record_mode is None else jnp.zeros((batch, spec.buffer_len), jnp.float32),
         grammar_state=grammar_state,
     )
     if spec.gamma > 0:  # the proposal's structure (with or without q) is the drafter's
@@ -178,7 +179,7 @@ def build_program(request: GenerateRequest, batch: Batch) -> tuple[EngineSpec, E
     tables, grammar_state = row_grammars(request.grammars, num_rows, bucketed, request.model.vocab_size,
                                          request.max_new_tokens)
     spec = EngineSpec(request.model, drafter, request.max_gamma, batch.capacity, request.stops,
-                      request.record_top_k, request.mesh, None)
+                      request.recorded_top_k, request.mesh, None, request.record_mode)
     params = EngineParams(target=request.target_params, drafter=None if drafter is None else drafter.params,
                           grammar=tables)
     inputs = (batch.prompts, batch.prompt_lens, np.full((bucketed,), request.max_new_tokens, np.int32),

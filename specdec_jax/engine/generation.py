@@ -59,7 +59,8 @@ def generate(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None =
              sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), max_new_tokens: int = 128,
              eos_id: int | None = None, stop_ids: Sequence[int] = (), seed: int = 0,
              row_ids: Sequence[int] | None = None, capacity: int | None = None, record_top_k: int = 0,
-             python_loop: bool = False, mesh: Mesh | None = None, grammars=None) -> GenerationResult:
+             logprobs: int | None = None, logprobs_mode: str = "raw", python_loop: bool = False,
+             mesh: Mesh | None = None, grammars=None) -> GenerationResult:
     """Speculative decoding of a ragged batch of token-id prompts.
 
     Every argument but ``python_loop`` is the `GenerateRequest` attribute of its name (validated
@@ -70,7 +71,9 @@ def generate(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None =
     once per device, model, drafter, batch and capacity and cached on disk, `engine.calibration`)
     and each row's running acceptance (`engine.shape`). Under a grammar constraint each row's
     output matches it, and a row that reaches a whole match nothing may follow stops with reason
-    "grammar" (docs/constraints.md). With a mesh (`specdec_jax.sharding.make_mesh`) weights, caches
+    "grammar" (docs/constraints.md). With ``logprobs`` K each emitted token's log-prob and its K
+    most likely alternatives are read from the verify pass that scored it (`round.record`): the
+    same numbers plain decoding gives the same tokens. With a mesh (`specdec_jax.sharding.make_mesh`) weights, caches
     and loop state are sharded over it and the same loop runs partitioned: the batch is padded to
     a multiple of its ``data`` axis, and its ``model`` axis must divide the head counts and the MLP
     width.
@@ -84,8 +87,8 @@ def generate(target, prompts: Sequence[Sequence[int]], drafter: Drafter | None =
     """
     request = GenerateRequest(target, prompts, drafter, gamma=gamma, policy=policy, sampling=sampling,
                               max_new_tokens=max_new_tokens, eos_id=eos_id, stop_ids=stop_ids, seed=seed,
-                              row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, mesh=mesh,
-                              grammars=grammars)
+                              row_ids=row_ids, capacity=capacity, record_top_k=record_top_k, logprobs=logprobs,
+                              logprobs_mode=logprobs_mode, mesh=mesh, grammars=grammars)
     return run_request(request, python_loop)
 
 
@@ -110,12 +113,15 @@ def run_request(request: GenerateRequest, python_loop: bool = False) -> Generati
 def unpack(run: Prepared, state: DecodeState, start: float, loop_start: float) -> GenerationResult:
     """The finished ``state`` on the host as a `GenerationResult` of ``run``'s real rows; ``start`` and
     ``loop_start``: `time.perf_counter` at the call's start and at the loop's."""
-    tokens, num_tokens, reasons, counters, step, top = sharding.to_host(
-        (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top))
+    tokens, num_tokens, reasons, counters, step, top, chosen = sharding.to_host(
+        (state.tokens, state.num_tokens, state.stop_reason, state.counters, state.step, state.target_top,
+         state.target_chosen))
     end = time.perf_counter()
     lens, num_rows = run.prompt_lens, run.num_rows
     if top is not None:
         top = [(top[0][b, lens[b] : num_tokens[b]], top[1][b, lens[b] : num_tokens[b]]) for b in range(num_rows)]
+    if chosen is not None:
+        chosen = [chosen[b, lens[b] : num_tokens[b]] for b in range(num_rows)]
     return GenerationResult(
         tokens=[tokens[b, lens[b] : num_tokens[b]].tolist() for b in range(num_rows)],
         stop_reasons=[STOP_REASONS.get(int(r), "running") for r in reasons[:num_rows]],
@@ -124,6 +130,7 @@ def unpack(run: Prepared, state: DecodeState, start: float, loop_start: float) -
         loop_rounds=int(step),
         decode_s=end - loop_start,
         target_top=top,
+        logprobs=chosen,
         policy=run.spec.policy,
         row_counts=[{"rounds": int(counters.rounds[b]), "draft_tokens": int(counters.drafted[b]),
                      "accepted_tokens": int(counters.accepted[b]), "emitted_tokens": int(counters.emitted[b])}

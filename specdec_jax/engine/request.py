@@ -28,6 +28,8 @@ from specdec_jax.target import TargetModel, resolve_target
 
 AUTO = "auto"  # gamma chosen per round by a ShapePolicy (engine.shape) from this device's measured costs
 MAX_NEW_TOKENS = 2**31 - 2**20  # exclusive bound: positions and lengths are int32 on device
+MAX_LOGPROBS = 20  # the most alternatives `logprobs` reports per token (vLLM's and the OpenAI API's bound)
+LOGPROBS_MODES = ("raw", "processed")  # the target's logits' log_softmax, or its law as the run declared it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,10 @@ class GenerateRequest:
       capacity: KV slots per row (None: `default_capacity`); rows that run out stop with
         reason "capacity".
       record_top_k: > 0: the target's top-k tokens and log-probs at every emitted token.
+      logprobs: None, or K in [0, MAX_LOGPROBS]: each emitted token's log-prob and the K most likely
+        tokens with theirs, read from the verify pass (excludes record_top_k).
+      logprobs_mode: "raw": under the target's raw law (log_softmax of its logits); "processed": under
+        the law each row samples from (logit bias, penalties, temperature, filters, grammar mask).
       mesh: a `(data, model)` mesh (`specdec_jax.sharding`); None, or one device: one device.
       grammars: one `constraints.GrammarTables` for every row, or one per row (None: no
         constraint); docs/constraints.md.
@@ -76,6 +82,8 @@ class GenerateRequest:
     row_ids: Sequence[int] | None = None
     capacity: int | None = None
     record_top_k: int = 0
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
     mesh: Mesh | None = None
     grammars: Any = dataclasses.field(default=None, repr=False)
     model: TargetModel = dataclasses.field(init=False, repr=False, compare=False)
@@ -106,6 +114,16 @@ class GenerateRequest:
     def stops(self) -> tuple[int, ...]:
         """Every token that ends a row: ``stop_ids`` and ``eos_id``, sorted."""
         return tuple(sorted(set(self.stop_ids) | ({int(self.eos_id)} if self.eos_id is not None else set())))
+
+    @property
+    def recorded_top_k(self) -> int:
+        """The engine's `EngineSpec.record_top_k`: ``logprobs`` where given, else ``record_top_k``."""
+        return self.record_top_k if self.logprobs is None else self.logprobs
+
+    @property
+    def record_mode(self) -> str | None:
+        """The engine's `EngineSpec.record_mode`: ``logprobs_mode`` with ``logprobs``, else None."""
+        return None if self.logprobs is None else self.logprobs_mode
 
     @property
     def longest(self) -> int:
@@ -168,6 +186,7 @@ def _check_settings(request: GenerateRequest) -> None:
             f"(gamma + 1 = {gamma + 1}) needs at least {longest + gamma + 1} slots")
     if not 0 <= request.record_top_k <= vocab:
         raise ValueError(f"record_top_k must be in [0, {vocab}], got {request.record_top_k}")
+    _check_logprobs(request)
     if request.mesh is not None:
         model.check_mesh(request.mesh)
     if gamma > 0:
@@ -175,12 +194,31 @@ def _check_settings(request: GenerateRequest) -> None:
 
 
 def _check_rows(request: GenerateRequest) -> None:
-    """ValueError unless ``row_ids`` and a list of ``sampling`` settings have one entry per prompt."""
+    """ValueError unless ``row_ids`` and a list of ``sampling`` settings have one entry per prompt, and
+    every logit bias names token ids of the vocabulary."""
     num_rows = len(request.prompts)
     if request.row_ids is not None and len(request.row_ids) != num_rows:
         raise ValueError(f"row_ids must have one id per prompt ({num_rows}), got {len(request.row_ids)}")
     if not isinstance(request.sampling, SamplingParams) and len(request.sampling) != num_rows:
         raise ValueError(f"got {len(request.sampling)} SamplingParams for {num_rows} prompts")
+    vocab = request.model.vocab_size
+    for params in (request.sampling,) if isinstance(request.sampling, SamplingParams) else request.sampling:
+        bad = [token for token, _ in params.logit_bias if token >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def _check_logprobs(request: GenerateRequest) -> None:
+    """ValueError unless ``logprobs`` is None or in [0, MAX_LOGPROBS] (and then without record_top_k)
+    and ``logprobs_mode`` is one of LOGPROBS_MODES."""
+    logprobs, mode = request.logprobs, request.logprobs_mode
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    if logprobs is not None and request.record_top_k:
+        raise ValueError("logprobs and record_top_k exclude each other: logprobs reports the top K itself")
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
 
 
 def row_ids_and_sampling(request: GenerateRequest, batch: int) -> tuple[np.ndarray, RowSampling]:

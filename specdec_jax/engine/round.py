@@ -16,8 +16,8 @@
     accept        the verification rule on the pass's scores: accepted drafts, correction or
                   bonus, stop/budget cut (`verify` for chains, `verify_tree` for trees)
     commit        the pass's keys/values (a tree's accepted path moved to the front, so the cache
-                  holds a chain again), tokens, cache lengths (the rollback), record_top_k, the
-                  drafter's hook, metrics
+                  holds a chain again), tokens, cache lengths (the rollback), the recorded log-probs
+                  (`record`), the drafter's hook, metrics
     stop_reasons  which live rows just ended, and why (a grammar's: a whole match nothing may follow)
 
 With `EngineSpec.policy` set (`--gamma auto`), `draft_step` chooses the
@@ -172,6 +172,7 @@ class TargetPass(NamedTuple):
     hidden: jax.Array | None  # f32[B,G+1,k,H]: the hidden states the drafter reads, or None
     block: KVBlock  # the pass's keys/values, G+1 tokens, written by `commit`
     width_index: jax.Array  # i32[]: the index in ``spec.verify_widths`` the pass ran at
+    raw: jax.Array | None = None  # f32[B,G+1,V]: the logits before a grammar's mask, kept for raw log-probs only
 
 
 def keeps_logits(spec: EngineSpec, state: DecodeState) -> bool:
@@ -180,7 +181,7 @@ def keeps_logits(spec: EngineSpec, state: DecodeState) -> bool:
     to the greedy tokens, and no f32[B,G+1,V] array leaves the ``lax.switch``: padding it to G+1
     columns and then reducing it makes a narrow round pay for the widest (docs/design.md section 4,
     "Verify widths")."""
-    return state.sampling.any_sampled or bool(spec.record_top_k)
+    return state.sampling.any_sampled or bool(spec.record_top_k) or spec.record_mode is not None
 
 
 def target_pass(spec: EngineSpec, target_params, state: DecodeState, masks: jax.Array | None = None) -> TargetPass:
@@ -203,20 +204,20 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState, masks: jax.
         positions = state.cache.lengths[:, None] + depth
     keep, greedy = keeps_logits(spec, state), not state.sampling.any_sampled
     counts = _penalty_counts(spec, state) if greedy else None
+    unmasked = masks is not None and spec.record_mode == "raw"  # raw log-probs read the logits before the mask
 
     def at_width(width: int):
         def run(cache):
             logits, hidden, block = spec.target.apply(
                 target_params, inputs[:, :width], cache, positions[:, :width],
                 None if mask is None else mask[:, :width, :width], spec.hidden_layers, defer_writes=True)
-            if masks is not None:
-                logits = jnp.where(masks[:, :width], logits, -jnp.inf)
+            masked = logits if masks is None else jnp.where(masks[:, :width], logits, -jnp.inf)
             pad = inputs.shape[1] - width
             tokens = None
             if greedy:
                 narrow = None if counts is None else jax.tree.map(lambda c: c[:, :width], counts)
-                tokens = jnp.pad(target_argmax(state, logits, narrow), ((0, 0), (0, pad)))
-            logits = jnp.pad(logits, ((0, 0), (0, pad), (0, 0))) if keep else None
+                tokens = jnp.pad(target_argmax(state, masked, narrow), ((0, 0), (0, pad)))
+            logits = jnp.pad(logits if unmasked else masked, ((0, 0), (0, pad), (0, 0))) if keep else None
             if hidden is not None:  # [k,B,S,H] -> [B,S,k,H]
                 hidden = jnp.pad(hidden.transpose(1, 2, 0, 3), ((0, 0), (0, pad), (0, 0), (0, 0)))
             return logits, tokens, hidden, block.padded(inputs.shape[1])
@@ -229,6 +230,8 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState, masks: jax.
     else:
         branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(state.proposal.num_draft) + 1).astype(jnp.int32)
         logits, tokens, hidden, block = jax.lax.switch(branch, [at_width(w) for w in widths], state.cache)
+    if unmasked:
+        return TargetPass(jnp.where(masks, logits, -jnp.inf), tokens, hidden, block, branch, raw=logits)
     return TargetPass(logits, tokens, hidden, block, branch)
 
 
@@ -306,12 +309,13 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
     [t0, path] as a chain's would), appends each live row's emitted run and moves the committed
     lengths (the rollback of rejected drafts: their slots lie past the new lengths); then the
     drafter's commit hook and the round's metrics (``reach``: `proposed_depth`)."""
-    logits, hidden, block = scored.logits, scored.hidden, scored.block
+    hidden, block = scored.hidden, scored.block
+    scores = recorded_scores(spec, state, scored)
     if result.path is not None:  # verify input of the run's j-th token: t0, then the path's nodes
         order = jnp.pad(jnp.where(result.path >= 0, result.path + 1, 0), ((0, 0), (1, 0)))  # i32[B,G+1]
         block = block.take(order)
-        if logits is not None:
-            logits = jnp.take_along_axis(logits, order[:, :, None], axis=1)
+        if scores is not None:
+            scores = jnp.take_along_axis(scores, order[:, :, None], axis=1)
         if hidden is not None:
             hidden = jnp.take_along_axis(hidden, order[:, :, None, None], axis=1)
     cache = state.cache.write_block(block)
@@ -325,11 +329,7 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
     index = jnp.where(column < n_emit[:, None], state.num_tokens[:, None] + column, spec.buffer_len)
     batch_index = jnp.arange(index.shape[0])[:, None]
     num_tokens = state.num_tokens + n_emit
-    target_top = state.target_top
-    if spec.record_top_k:
-        logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), spec.record_top_k)  # [B,G+1,k]
-        target_top = (target_top[0].at[batch_index, index].set(ids, mode="drop"),
-                      target_top[1].at[batch_index, index].set(logp, mode="drop"))
+    target_top, target_chosen = record(spec, state, scores, result.tokens, index)
     drafter_state, acceptance = state.drafter_state, state.acceptance
     if spec.gamma > 0:
         outcome = RoundOutcome(n_emit=n_emit, n_accepted=n_accepted, num_tokens=num_tokens, features=hidden)
@@ -349,9 +349,39 @@ def commit(spec: EngineSpec, params: EngineParams, state: DecodeState, result: V
                                           scored.width_index, reach=reach),
         step=state.step + 1,
         target_top=target_top,
+        target_chosen=target_chosen,
         acceptance=acceptance,
         grammar_state=grammar_state,
     )
+
+
+def recorded_scores(spec: EngineSpec, state: DecodeState, scored: TargetPass) -> jax.Array | None:
+    """f32[B,G+1,V]: the log-probs a round records at each verified position, the target's raw law
+    (log_softmax of its logits; with ``spec.record_mode`` "raw", before a grammar's mask), or with
+    "processed" the log of `target_law` (the row's bias, penalties, temperature, filters, grammar
+    mask); None when nothing is recorded."""
+    if not spec.record_top_k and spec.record_mode is None:
+        return None
+    if spec.record_mode == "processed":
+        return jnp.log(target_law(spec, state, scored.logits))
+    return jax.nn.log_softmax(scored.logits if scored.raw is None else scored.raw, axis=-1)
+
+
+def record(spec: EngineSpec, state: DecodeState, scores: jax.Array | None, tokens: jax.Array, index: jax.Array):
+    """``(target_top, target_chosen)`` with this round's run written at buffer slots ``index`` i32[B,G+1]
+    (past the buffer: dropped): the top ``spec.record_top_k`` of ``scores`` (`recorded_scores`, in run
+    order) and, with ``spec.record_mode``, the emitted ``tokens``' own log-probs; the state's unchanged
+    where nothing is recorded."""
+    target_top, target_chosen = state.target_top, state.target_chosen
+    batch_index = jnp.arange(index.shape[0])[:, None]
+    if spec.record_top_k:
+        logp, ids = jax.lax.top_k(scores, spec.record_top_k)  # [B,G+1,k]
+        target_top = (target_top[0].at[batch_index, index].set(ids, mode="drop"),
+                      target_top[1].at[batch_index, index].set(logp, mode="drop"))
+    if spec.record_mode is not None:
+        chosen = jnp.take_along_axis(scores, tokens[:, :, None], axis=2)[:, :, 0]  # f32[B,G+1]
+        target_chosen = target_chosen.at[batch_index, index].set(chosen, mode="drop")
+    return target_top, target_chosen
 
 
 def stop_reasons(spec: EngineSpec, was_done: jax.Array, state: DecodeState,

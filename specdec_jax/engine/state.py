@@ -40,6 +40,9 @@ class EngineSpec:
     record_top_k: int = 0  # > 0: keep the target's k most likely tokens and log-probs at every emitted token
     mesh: Mesh | None = None  # devices the state is sharded over (specdec_jax.sharding); None: one device
     policy: ShapePolicy | None = None  # None: every round drafts gamma; else the shape is chosen per round
+    # "raw" | "processed": also keep each emitted token's own log-prob, it and the top record_top_k under the
+    # target's raw law (log_softmax of its logits) or its processed law (`target_law`); None: neither
+    record_mode: str | None = None
 
     def __post_init__(self):
         if self.policy is not None and self.policy.max_gamma != self.gamma:
@@ -98,6 +101,7 @@ class DecodeState:
     counters: Counters
     step: jax.Array  # i32[] loop iterations so far
     target_top: tuple[jax.Array, jax.Array] | None = None  # (i32, f32)[B,Tbuf,k] record_top_k's buffers
+    target_chosen: jax.Array | None = None  # f32[B,Tbuf] each committed token's log-prob (with spec.record_mode)
     acceptance: jax.Array | None = None  # f32[B,G] per-row acceptance estimates (engine.shape); None without a policy
     draft_found: jax.Array | None = None  # f32[B] per-row share of rounds whose drafter found drafts (engine.shape)
     # i32[2] (draft index, verify index into policy.gammas) that every round takes, every live row verifying
@@ -117,6 +121,9 @@ class GenerationResult:
     # record_top_k > 0: per prompt, (ids i32[n,k], log-probs f32[n,k]) of the target's law (temperature 1,
     # no filters) that each of its n emitted tokens was chosen under
     target_top: list[tuple[np.ndarray, np.ndarray]] | None = None
+    # with logprobs: per prompt, f32[n] each emitted token's log-prob (target_top then holds its top
+    # `logprobs` alternatives), under the law `logprobs_mode` names
+    logprobs: list[np.ndarray] | None = None
     policy: ShapePolicy | None = None  # the shape policy the run decided with (gamma "auto"), else None
     # per prompt: {"rounds", "draft_tokens", "accepted_tokens", "emitted_tokens"} of that row alone (its tokens per
     # round is emitted / rounds; rows are independent, so a batch gives each row's solo counts)
