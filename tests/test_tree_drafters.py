@@ -25,7 +25,9 @@ import engine_helpers as H
 from specdec_jax import engine
 from specdec_jax.drafters import EagleConfig, EagleDrafter, MedusaConfig, MedusaDrafter, ModelDrafter, NgramDrafter
 from specdec_jax.drafters.eagle import head_logits, head_pass, init_eagle, project
+from specdec_jax.drafters.dynamic_tree import grow_dynamic_tree
 from specdec_jax.drafters.medusa import medusa_logits
+from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import FINAL_NORM
 from specdec_jax.tree import TreeShape, default_choices, static_tree
 from test_drafters import context
@@ -214,3 +216,20 @@ def test_dynamic_tree_expands_the_best_nodes_with_their_top_k_children(kind):
             best = sorted(sorted(depth2, key=score.get)[-2:])
             assert expanded == best or np.isclose(*sorted(score.values())[-3:-1], atol=1e-4), (round_index, b)
     assert int(jax.device_get(run.state.counters.emitted).sum()) > 0
+
+
+def test_a_dynamic_tree_gives_no_node_to_a_banned_token():
+    """The children are ranked after the rows' logit bias: the token every node would rank first,
+    banned in row 0 only, takes no node there and the most nodes in row 1."""
+    v, topk = 8, 2
+    favourite = 5  # every node's most likely child
+    logits = jnp.asarray(np.log(np.full(v, 0.05)).astype(np.float32)).at[favourite].set(0.0)
+
+    def expand(tokens, mask, depth, inputs):
+        return jnp.broadcast_to(logits, tokens.shape[:1] + (topk, v)), None
+
+    sampling = RowSampling.from_params([SamplingParams(logit_bias={favourite: "-inf"}), SamplingParams()], 2)
+    tree = grow_dynamic_tree(TreeShape(nodes=6, depth=3, topk=topk), 6, jnp.broadcast_to(logits, (2, v)), None,
+                             expand, sampling=sampling)
+    drafts = np.asarray(tree.drafts)
+    assert favourite not in drafts[0] and (drafts[1] == favourite).sum() >= 3

@@ -37,6 +37,12 @@ def empty_proposal(batch: int, tree: bool = False) -> Proposal:
     return Proposal(none, jnp.zeros((batch,), jnp.int32), None, none if tree else None)
 
 
+def drafter_sampling(ctx: DraftContext, vocab_map: jax.Array | None, vocab_size: int) -> RowSampling:
+    """The rows' sampling settings over the drafter's output ids: a logit bias moved to them
+    (`RowSampling.take`) when ``vocab_map`` i32[Vo] reduces the vocabulary of V = ``vocab_size`` ids."""
+    return ctx.sampling if vocab_map is None else ctx.sampling.take(vocab_map, vocab_size)
+
+
 def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
                vocab_size: int, vocab_map: jax.Array | None = None,
                corrupt_alpha: float | None = None) -> tuple[Proposal, Any]:
@@ -49,8 +55,7 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     """
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
         return empty_proposal(first_logits.shape[0]), carry
-    # the row's settings over the drafter's ids (a logit bias moved to them), so q's transforms are p's
-    sampling = ctx.sampling if vocab_map is None else ctx.sampling.take(vocab_map, vocab_size)
+    sampling = drafter_sampling(ctx, vocab_map, vocab_size)  # q's transforms are p's
     counts = None  # PenaltyCounts f32[B,Vo] of the committed tokens, then of each draft
     if sampling.use_penalties:
         counts = PenaltyCounts.of_history(ctx.tokens, ctx.num_tokens, ctx.prompt_lens, vocab_size)

@@ -38,6 +38,7 @@ from specdec_jax import tree as trees
 from specdec_jax.drafters.base import Proposal
 from specdec_jax.drafters.chain import empty_proposal
 from specdec_jax.grammar import RowGrammar, advance
+from specdec_jax.sampling import RowSampling, add_bias
 from specdec_jax.tree import TreeShape
 
 Expand = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array | None]]
@@ -45,24 +46,31 @@ Expand = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax
 
 def grow_dynamic_tree(shape: TreeShape, nodes: int, first_logits: jax.Array, root_output: jax.Array | None,
                       expand: Expand, vocab_map: jax.Array | None = None,
-                      grammar: RowGrammar | None = None) -> Proposal:
+                      grammar: RowGrammar | None = None, sampling: RowSampling | None = None) -> Proposal:
     """A `Proposal` of ``nodes`` nodes (point masses, all counted: the caller masks rows that
     cannot draft): the best of `_candidates`, best first (`_best_tree`).
 
     first_logits: f32[B,Vo] the drafter's logits of the first draft; root_output: f32[B,...] the
     input of depth-1 nodes besides their token (None if the drafter needs none); vocab_map:
     i32[Vo] target id of each logit (a reduced vocabulary), None: Vo = V; grammar: the rows'
-    grammar (module docstring), None: unconstrained.
+    grammar (module docstring), None: unconstrained; sampling: the rows' settings over the drafter's
+    ids (`chain.drafter_sampling`), whose logit bias the ranking of children includes (a banned token
+    takes no node), None: none.
     """
     if nodes == 0:  # a round without speculation
         return empty_proposal(first_logits.shape[0], tree=True)
-    children = functools.partial(_best_children, k=shape.topk, vocab_map=vocab_map, grammar=grammar)
+    children = functools.partial(_best_children, k=shape.topk, vocab_map=vocab_map, grammar=grammar,
+                                 sampling=sampling)
     return _best_tree(*_candidates(shape, first_logits, root_output, expand, children, grammar), nodes)
 
 
-def _best_children(logits, states, depth: int, k: int, vocab_map, grammar: RowGrammar | None):
+def _best_children(logits, states, depth: int, k: int, vocab_map, grammar: RowGrammar | None,
+                   sampling: RowSampling | None):
     """f32[B,M,Vo] logits of M nodes' children at ``depth``, i32[B,M] the nodes' grammar states (None
-    unconstrained) -> (log-probs f32[B,M,K], target ids i32[B,M,K], the children's states or None)."""
+    unconstrained) -> (log-probs f32[B,M,K], target ids i32[B,M,K], the children's states or None),
+    ranked after the rows' logit bias."""
+    if sampling is not None:
+        logits = add_bias(logits.astype(jnp.float32), sampling)
     if grammar is not None:
         logits = grammar.constrain(logits, states, depth - 1, vocab_map)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

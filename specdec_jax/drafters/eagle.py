@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
-from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.drafters.chain import draw_chain, drafter_sampling
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
@@ -266,4 +266,6 @@ class EagleDrafter(DrafterBase):
                               defer_writes=True)
             return self._logits(params, ctx, h[:, -self.tree.topk:])
 
-        return grow_dynamic_tree(self.tree, nodes, first, fed, expand, params.get("vocab_map"), ctx.grammar)
+        vocab_map = params.get("vocab_map")
+        return grow_dynamic_tree(self.tree, nodes, first, fed, expand, vocab_map, ctx.grammar,
+                                 drafter_sampling(ctx, vocab_map, self._layer().vocab_size))

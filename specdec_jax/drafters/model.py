@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
-from specdec_jax.drafters.chain import draw_chain
+from specdec_jax.drafters.chain import draw_chain, drafter_sampling
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, apply, forward
@@ -105,8 +105,9 @@ class ModelDrafter(DrafterBase):
                                  defer_writes=True)
             return logits[:, -self.tree.topk:], None
 
-        return grow_dynamic_tree(self.tree, nodes, first, None, expand, params.get("vocab_map"),
-                                 ctx.grammar), cache
+        vocab_map = params.get("vocab_map")
+        return grow_dynamic_tree(self.tree, nodes, first, None, expand, vocab_map, ctx.grammar,
+                                 drafter_sampling(ctx, vocab_map, self.config.vocab_size)), cache
 
 
 def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:
