@@ -258,8 +258,8 @@ def test_refusals_are_one_line(folders, tmp_path):
          r"0, the embeddings, is not supported"),
         (rewrite(folders, "speculators-llama", tmp_path / "d", {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}), llama,
          "the target has 8 layers"),
-        (rewrite(folders, "speculators-llama", tmp_path / "e", {"speculators_model_type": "dflash"}), llama,
-         "speculators_model_type 'dflash' is not supported"),
+        (rewrite(folders, "speculators-llama", tmp_path / "e", {"speculators_model_type": "mtp"}), llama,
+         "speculators_model_type 'mtp' is not supported"),
         (rewrite(folders, "speculators-llama", tmp_path / "f", {"transformer_layer_config": dict(
             FIXTURE["cases"]["speculators-llama"]["config_json"]["transformer_layer_config"], hidden_act="gelu")}),
          llama, "hidden_act = 'gelu' is not supported"),

@@ -1,5 +1,5 @@
 """Drafters: n-gram prompt lookup, retrieval from a token datastore, a draft model, EAGLE (EAGLE-3 included) and
-Medusa heads on the target's features, and the oracle (for experiments).
+Medusa heads on the target's features, DFlash block drafting, and the oracle (for experiments).
 
 The protocol (`DraftContext`, `Drafter`, `DrafterBase`, `Proposal`, `drafters.base`) and the table of
 drafters (`register_drafter`, `drafters.table`) load with the package; each drafter's class loads from its
@@ -15,6 +15,7 @@ LAZY = {  # name -> the module that defines it
     "EagleConfig": "eagle", "EagleDrafter": "eagle", "MedusaConfig": "medusa", "MedusaDrafter": "medusa",
     "ModelDrafter": "model", "oracle_drafter": "model", "NgramDrafter": "ngram", "RetrievalDrafter": "retrieval",
     "load_head": "heads", "Eagle3Config": "eagle3", "Eagle3Drafter": "eagle3", "load_drafter_folder": "published",
+    "DFlashConfig": "dflash", "DFlashDrafter": "dflash",
 }
 
 __all__ = ["DraftContext", "Drafter", "DrafterBase", "DrafterSpec", "Proposal", "drafter_spec", "register_drafter",

@@ -1,6 +1,6 @@
 """Drafter heads as the field publishes them (docs/drafters.md "Published heads"), and this project's own.
 
-`load_drafter_folder(folder, kind, target)` reads ``--draft-model FOLDER`` for ``--drafter eagle|medusa``:
+`load_drafter_folder(folder, kind, target)` reads ``--draft-model FOLDER`` for ``--drafter eagle|medusa|dflash``:
 
 - this project's head folders (`drafters.heads`, ``specdec_head.json``): `heads.load_head`, unchanged;
 - vLLM speculators EAGLE-3 (config.json with ``speculators_model_type: eagle3``,
@@ -8,12 +8,19 @@
 - SafeAILab's EAGLE-3 layout (config.json of ``LlamaForCausalLMEagle3``; ``midlayer.*`` weights in
   ``pytorch_model.bin`` or safetensors);
 - FasterDecoding's Medusa-1 heads (config.json with ``medusa_num_heads``; ``medusa_lm_head.pt`` or
-  ``.safetensors``).
+  ``.safetensors``);
+- DFlash drafters (`drafters.dflash`): z-lab's ``save_pretrained`` folders (config.json of a
+  ``DFlashDraftModel``: a Qwen3 config with ``block_size`` and ``dflash_config``) and speculators'
+  ``dflash`` format (``speculators_model_type: dflash``), safetensors.
 
 Target layers: speculators' ``eagle_aux_hidden_state_layer_ids`` k names the input of target layer
 k (transformers' ``hidden_states[k]``), this project's layer ``k - 1`` (k = L, the last layer's
 output before the final norm, as speculators trains it: ``L - 1``; k = 0, the embeddings, is
 refused); absent, the published default [2, L // 2, L - 3]. SafeAILab's are fixed to that default.
+speculators' DFlash ``aux_hidden_state_layer_ids`` count the same way; z-lab's ``target_layer_ids`` i
+name the output of target layer i (our layer i; i = L - 1 is transformers' final-normed state, our
+``FINAL_NORM``), by default spread over the layers as z-lab's ``build_target_layer_ids`` does
+(`zlab_layer_ids`).
 Anything that does not fit (another target's sizes, a missing weight, a ``d2t`` outside the
 vocabulary, a variant this project does not implement) is a one-line ValueError naming the folder.
 """
@@ -28,15 +35,20 @@ import zipfile
 
 import numpy as np
 
+from specdec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_shapes
 from specdec_jax.drafters.eagle3 import FLAGS, Eagle3Config, Eagle3Drafter, eagle3_shapes
 from specdec_jax.drafters import heads
 from specdec_jax.drafters.heads import HEAD_MARKER, is_head_dir, load_head
 from specdec_jax.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdec_jax.models.llama import LlamaConfig
+from specdec_jax.target import FINAL_NORM
 from specdec_jax.models.loading import hf_config, hf_layer_weights, hf_state, read_json, read_safetensors
 
 SPECULATORS, SAFEAILAB, MEDUSA1, OWN = "speculators EAGLE-3", "SafeAILab EAGLE-3", "Medusa-1", "head"
-KIND_OF = {SPECULATORS: "eagle", SAFEAILAB: "eagle", MEDUSA1: "medusa"}
+ZLAB_DFLASH, SPECULATORS_DFLASH = "z-lab DFlash", "speculators DFlash"
+KIND_OF = {SPECULATORS: "eagle", SAFEAILAB: "eagle", MEDUSA1: "medusa", ZLAB_DFLASH: "dflash",
+           SPECULATORS_DFLASH: "dflash"}
+SPECULATORS_IDS = {SPECULATORS: "eagle_aux_hidden_state_layer_ids", SPECULATORS_DFLASH: "aux_hidden_state_layer_ids"}
 LAYER_DEFAULTS = {  # transformers' class defaults: speculators writes its layer config without keys equal to them
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
@@ -57,11 +69,13 @@ def folder_format(folder: pathlib.Path) -> str | None:
     config = read_json(folder / "config.json")
     if "speculators_model_type" in config:
         model_type = config["speculators_model_type"]
-        if model_type != "eagle3":
-            raise ValueError(f"{folder}: speculators_model_type {model_type!r} is not supported (eagle3 only)")
-        return SPECULATORS
+        if model_type not in ("eagle3", "dflash"):
+            raise ValueError(f"{folder}: speculators_model_type {model_type!r} is not supported (eagle3, dflash)")
+        return SPECULATORS if model_type == "eagle3" else SPECULATORS_DFLASH
     if any("Eagle3" in name for name in config.get("architectures") or []):
         return SAFEAILAB
+    if any("DFlash" in name for name in config.get("architectures") or []):
+        return ZLAB_DFLASH
     return MEDUSA1 if "medusa_num_heads" in config else None
 
 
@@ -87,7 +101,7 @@ def load_drafter_folder(path, kind: str, target):
     if found is None:
         raise ValueError(f"{folder} is not a drafter head folder: neither this project's ({HEAD_MARKER}; train "
                          "one with specdec-jax train-draft) nor a published one (config.json of a speculators "
-                         "EAGLE-3, SafeAILab EAGLE-3 or Medusa-1 head)")
+                         "EAGLE-3, SafeAILab EAGLE-3, Medusa-1 head or a z-lab or speculators DFlash drafter)")
     if found == OWN:
         return load_head(folder, kind=kind, target=target)
     if KIND_OF[found] != kind:
@@ -95,6 +109,8 @@ def load_drafter_folder(path, kind: str, target):
     config = read_json(folder / "config.json")
     if found == MEDUSA1:
         return _medusa(folder, config, target.config)
+    if KIND_OF[found] == "dflash":
+        return _dflash(folder, config, found, target.config)
     layer = _layer_config(folder, config, found)
     return _eagle3(folder, config, _weights(folder, "pytorch_model.bin"), layer, target, found)
 
@@ -112,13 +128,15 @@ def _layer_config(folder: pathlib.Path, config: dict, found: str) -> LlamaConfig
     """The head's decoder as a `LlamaConfig` (its own RoPE, qk-norm, biases; omitted keys at the defaults
     of the format: `LAYER_DEFAULTS`, `SAFEAILAB_DEFAULTS`)."""
     where = f"{folder / 'config.json'}"
-    if found == SPECULATORS:
+    if found in SPECULATORS_IDS:
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
-            raise ValueError(f"{where}: no transformer_layer_config: not a speculators EAGLE-3 head")
+            raise ValueError(f"{where}: no transformer_layer_config: not a {found} head")
         layer = dict(layer)
         layer.setdefault("model_type", "qwen3")  # speculators' default layer class
         defaults = LAYER_DEFAULTS.get(layer["model_type"], {})
+    elif found == ZLAB_DFLASH:  # always Qwen3 layers, whatever the target's family
+        layer, defaults = {**config, "model_type": "qwen3"}, LAYER_DEFAULTS["qwen3"]
     else:
         layer = {"model_type": "llama", **{k: v for k, v in config.items() if k != "head_dim"}}
         defaults = SAFEAILAB_DEFAULTS
@@ -130,7 +148,7 @@ def _layer_config(folder: pathlib.Path, config: dict, found: str) -> LlamaConfig
 
 def _layer_ids(folder: pathlib.Path, config: dict, found: str, num_layers: int) -> tuple[int, ...]:
     """This project's target layers of the head's features (module docstring)."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids") if found == SPECULATORS else None
+    ids = config.get(SPECULATORS_IDS[found]) if found in SPECULATORS_IDS else None
     ids = list(ids) if ids else [2, num_layers // 2, num_layers - 3]
     if any(not isinstance(k, int) or not 1 <= k <= num_layers for k in ids) or len(set(ids)) != len(ids):
         raise ValueError(f"{folder}: the head reads target layers {ids} (inputs of those layers); the target has "
@@ -255,6 +273,84 @@ def _medusa(folder: pathlib.Path, config: dict, tcfg: LlamaConfig) -> MedusaDraf
               "vocab_map": np.arange(tcfg.vocab_size, dtype=np.int32)}
     cfg = MedusaConfig(tcfg.hidden_size, tcfg.vocab_size, heads, output_vocab_size=tcfg.vocab_size)
     return MedusaDrafter(cfg, _float32(arrays))
+
+
+def zlab_layer_ids(num_target: int, num_draft: int) -> list[int]:
+    """z-lab's default target layers (``build_target_layer_ids``): the middle one for one draft layer,
+    else ``num_draft`` spread over 1 .. L - 3."""
+    if num_draft == 1:
+        return [num_target // 2]
+    return [round(1 + i * (num_target - 4) / (num_draft - 1)) for i in range(num_draft)]
+
+
+def _dflash_value(config: dict, name: str, default=None):
+    """z-lab's lookup of a DFlash setting: ``dflash_config`` first, then the top level."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
+
+
+def _dflash_refusals(folder: pathlib.Path, config: dict, found: str, tcfg: LlamaConfig) -> None:
+    """ValueError for a DFlash variant this project does not implement, or one for another target."""
+    body = (config.get("transformer_layer_config") or {}) if found == SPECULATORS_DFLASH else config
+    sliding = any(kind != "full_attention" for kind in body.get("layer_types") or [])
+    refused = [  # (what, whether the folder has it)
+        ("DFlash2's proposal rule", any("DFlash2" in a for a in config.get("architectures") or [])),
+        ("causal or sliding-window draft layers",
+         sliding or bool(_dflash_value(config, "is_causal")) or bool(config.get("sliding_window_non_causal"))),
+        ("drafting from the anchor (sample_from_anchor)", bool(config.get("sample_from_anchor"))),
+        ("attention biases", bool(body.get("attention_bias"))),
+        ("a reduced draft vocabulary", config.get("draft_vocab_size") not in (None, body.get("vocab_size"))),
+    ]
+    for what, present in refused:
+        if present:
+            raise ValueError(f"{folder}: {what} is not supported for DFlash drafters")
+    layers = config.get("num_target_layers") if found == ZLAB_DFLASH else None
+    if layers not in (None, tcfg.num_layers):
+        raise ValueError(f"{folder}: a DFlash drafter for a target of {layers} layers; the target has "
+                         f"{tcfg.num_layers}: a drafter for another target")
+
+
+def _zlab_ids(folder: pathlib.Path, config: dict, num_draft: int, num_layers: int) -> tuple[int, ...]:
+    """Our target layers of z-lab's ``target_layer_ids`` (module docstring)."""
+    ids = _dflash_value(config, "target_layer_ids") or zlab_layer_ids(num_layers, num_draft)
+    if any(not isinstance(i, int) or not 0 <= i < num_layers for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{folder}: the DFlash drafter reads target layers {list(ids)}; the target has {num_layers} "
+                         f"layers, so distinct ids in 0..{num_layers - 1}: a drafter for another target")
+    return tuple(FINAL_NORM if i == num_layers - 1 else i for i in ids)
+
+
+def _dflash(folder: pathlib.Path, config: dict, found: str, tcfg: LlamaConfig) -> DFlashDrafter:
+    """A `DFlashDrafter` from a z-lab or speculators DFlash folder (module docstring)."""
+    _dflash_refusals(folder, config, found, tcfg)
+    layer = dataclasses.replace(_layer_config(folder, config, found), qk_norm=True)
+    if (layer.vocab_size, layer.hidden_size) != (tcfg.vocab_size, tcfg.hidden_size):
+        raise ValueError(f"{folder}: a DFlash drafter for a vocabulary of {layer.vocab_size} and hidden size "
+                         f"{layer.hidden_size}; the target has {tcfg.vocab_size} and {tcfg.hidden_size}")
+    if found == ZLAB_DFLASH:
+        features = _zlab_ids(folder, config, layer.num_layers, tcfg.num_layers)
+        block = _dflash_value(config, "block_size", 16)
+        softcap = _dflash_value(config, "final_logit_softcapping")
+        scales = dict(embedding_scale=float(_dflash_value(config, "input_embedding_scale", 1.0)),
+                      logit_scale=float(_dflash_value(config, "output_multiplier", 1.0)),
+                      softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None)
+    else:
+        features, block, scales = _layer_ids(folder, config, found, tcfg.num_layers), config.get("block_size", 8), {}
+    mask = _dflash_value(config, "mask_token_id")
+    if not isinstance(mask, int):
+        raise ValueError(f"{folder}: no mask_token_id in config.json: not a DFlash drafter folder")
+    weights = _weights(folder, "pytorch_model.bin")
+    fc = _take(weights, "fc.weight", folder)
+    if fc.shape[1] != len(features) * tcfg.hidden_size:
+        raise ValueError(f"{folder}: fc.weight {fc.shape} reads {len(features)} target states of width "
+                         f"{fc.shape[1] / len(features):g}; the target's width is {tcfg.hidden_size}")
+    try:
+        cfg = DFlashConfig(layer, features, tcfg.hidden_size, int(block), mask, **scales)
+    except ValueError as err:
+        raise ValueError(f"{folder}: {err}") from None
+    arrays = _layer_arrays(weights, layer, [f"layers.{i}." for i in range(layer.num_layers)], folder)
+    arrays.update(fc=fc, hidden_norm=_take(weights, "hidden_norm.weight", folder),
+                  norm=_take(weights, "norm.weight", folder))
+    _check_shapes(folder, arrays, dflash_shapes(cfg))
+    return DFlashDrafter(cfg, _float32(arrays))
 
 
 TORCH_STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,

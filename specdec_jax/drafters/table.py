@@ -153,6 +153,13 @@ def _head(cfg, target, mesh):
     return dataclasses.replace(drafter, tree=cfg.tree_shape)
 
 
+def _dflash(cfg, target, mesh):
+    """A z-lab or speculators DFlash folder (`drafters.published`); chains only."""
+    from specdec_jax.drafters.published import load_drafter_folder
+
+    return load_drafter_folder(cfg.draft_model, kind="dflash", target=target)
+
+
 register_drafter("ngram", _ngram, "prompt lookup, the continuation of the latest earlier occurrence of the "
                  "context's last n tokens", trees=True, settings=("ngram_max", "ngram_min"))
 register_drafter("retrieval", _retrieval, "the n-gram lookup in a token datastore (--datastore) and the context",
@@ -167,3 +174,5 @@ register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a
 register_drafter("medusa", _head, "Medusa heads on the target's last hidden state (a trained head folder, or "
                  "FasterDecoding's Medusa-1 heads: --draft-model)", needs=("draft_model",), trees=True,
                  settings=("tree_choices",), trained_kind="medusa")
+register_drafter("dflash", _dflash, "a DFlash block drafter on the target's hidden states, one pass per block of its "
+                 "trained size (a z-lab or speculators DFlash folder: --draft-model)", needs=("draft_model",))
