@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import flax.struct
 import jax
@@ -164,14 +165,31 @@ class EagleState:
     last_feature: jax.Array  # f32[B,H] projected target feature of token n - 2 (for a round after e = 0)
 
 
+class HeadFunctions(NamedTuple):
+    """The pieces of a head that EAGLE's rounds (`EagleDrafter`) call, each taking the head's config
+    and weights first: ``project(cfg, params, features f32[..., k, Ht]) -> f32[..., H]``; ``head_pass(cfg,
+    params, target, target_params, tokens, inputs, cache, positions, block_mask, defer_writes) -> (h, cache)``
+    (`head_pass`'s arguments); ``logits(cfg, params, target, target_params, h) -> (logits f32[..., Vo], fed
+    f32[..., H])``: the next token's logits and what the next draft step is fed."""
+
+    project: Callable
+    head_pass: Callable
+    logits: Callable
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(DrafterBase):
-    """Drafts with an EAGLE head (module docstring). params: the head's weights (not hashed)."""
+    """Drafts with an EAGLE head (module docstring). params: the head's weights (not hashed). An EAGLE-3
+    head (`drafters.eagle3`) runs the same rounds with its own `HeadFunctions` and target checks."""
 
     config: EagleConfig
     params: Any = dataclasses.field(compare=False, repr=False)
     name: str = "eagle"
     tree: TreeShape | None = None
+    head: ClassVar[HeadFunctions] = HeadFunctions(
+        project, head_pass, lambda cfg, params, target, target_params, h: (
+            head_logits(cfg, params, target, target_params, h), h))
+    what: ClassVar[str] = "the EAGLE head"
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
@@ -182,28 +200,28 @@ class EagleDrafter(DrafterBase):
 
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
-        check_head(self.tree, cfg, target, "the EAGLE head")
+        self._check_target(target)
         bad = [x for x in cfg.feature_layers if not (x == FINAL_NORM or 0 <= x < target.num_layers)]
         if bad:
-            raise ValueError(f"the EAGLE head reads target layers {list(cfg.feature_layers)}; "
+            raise ValueError(f"{self.what} reads target layers {list(cfg.feature_layers)}; "
                              f"the target has layers 0..{target.num_layers - 1} (and FINAL_NORM -1)")
         if mesh is not None:
-            check_model_axis(mesh, cfg.layer, "the EAGLE head")
+            check_model_axis(mesh, cfg.layer, self.what)
 
-    # The head's own pieces; an EAGLE-3 head (`drafters.eagle3`) overrides these, the algorithm below is shared.
+    def _check_target(self, target: TargetModel) -> None:
+        """ValueError unless the head was built for ``target``'s hidden size and vocabulary."""
+        check_head(self.tree, self.config, target, self.what)
+
     def _project(self, params, features: jax.Array) -> jax.Array:
-        """f32[..., H]: target features f32[..., k, H] as the head's inputs (`project`)."""
-        return project(self.config, params, features)
+        return self.head.project(self.config, params, features)
 
     def _pass(self, params, ctx, tokens, inputs, cache, positions, block_mask=None, defer_writes=False):
-        """`head_pass` with the target of ``ctx`` (a draft or prefill context)."""
-        return head_pass(self.config, params, ctx.target, ctx.target_params, tokens, inputs, cache, positions,
-                         block_mask, defer_writes)
+        """The head's pass with the target of ``ctx`` (a draft or prefill context)."""
+        return self.head.head_pass(self.config, params, ctx.target, ctx.target_params, tokens, inputs, cache,
+                                   positions, block_mask, defer_writes)
 
     def _logits(self, params, ctx, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(logits f32[..., Vo], fed f32[..., H])`` of outputs ``h``: the next token's logits and what the
-        next draft step is fed (EAGLE: ``h`` itself)."""
-        return head_logits(self.config, params, ctx.target, ctx.target_params, h), h
+        return self.head.logits(self.config, params, ctx.target, ctx.target_params, h)
 
     def _layer(self) -> LlamaConfig:
         return self.config.layer

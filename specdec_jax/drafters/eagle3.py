@@ -31,19 +31,18 @@ Weights (H the head's width, Ht the target's, n draft layers; matrices ``[out, i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import check_tree_topk
-from specdec_jax.drafters.eagle import EagleDrafter
+from specdec_jax.drafters.eagle import EagleDrafter, HeadFunctions
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import (LlamaConfig, attention, layer_params, linear, param_shapes, rms_norm,
                                       run_layers, visibility)
 from specdec_jax.models.rope import apply_rope, rope_tables
-from specdec_jax.sharding import check_model_axis
-from specdec_jax.target import FINAL_NORM, TargetModel
+from specdec_jax.target import TargetModel
 from specdec_jax.tree import TreeShape
 
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # speculators' variant flags
@@ -180,10 +179,13 @@ class Eagle3Drafter(EagleDrafter):
     params: Any = dataclasses.field(compare=False, repr=False)
     name: str = "eagle"
     tree: TreeShape | None = None
+    head: ClassVar[HeadFunctions] = HeadFunctions(
+        project, head_pass, lambda cfg, params, target, target_params, h: head_logits(cfg, params, h))
+    what: ClassVar[str] = "the EAGLE-3 head"
 
-    def check(self, target: TargetModel, mesh) -> None:
+    def _check_target(self, target: TargetModel) -> None:
         cfg = self.config
-        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.layer.vocab_size, "the EAGLE-3 head")
+        check_tree_topk(self.tree, cfg.output_vocab_size or cfg.layer.vocab_size, self.what)
         if (cfg.target_hidden_size, cfg.layer.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(f"the EAGLE-3 head was built for a target of hidden size {cfg.target_hidden_size} and "
                              f"vocabulary {cfg.layer.vocab_size}; this one has {target.hidden_size} and "
@@ -191,22 +193,3 @@ class Eagle3Drafter(EagleDrafter):
         if not cfg.own_embedding and cfg.layer.hidden_size != target.hidden_size:
             raise ValueError(f"the EAGLE-3 head (width {cfg.layer.hidden_size}) has no embedding of its own and "
                              f"cannot use the target's (width {target.hidden_size})")
-        bad = [x for x in cfg.feature_layers if not (x == FINAL_NORM or 0 <= x < target.num_layers)]
-        if bad:
-            raise ValueError(f"the EAGLE-3 head reads target layers {list(cfg.feature_layers)}; "
-                             f"the target has layers 0..{target.num_layers - 1} (and FINAL_NORM -1)")
-        if mesh is not None:
-            check_model_axis(mesh, cfg.layer, "the EAGLE-3 head")
-
-    def _project(self, params, features: jax.Array) -> jax.Array:
-        return project(self.config, params, features)
-
-    def _pass(self, params, ctx, tokens, inputs, cache, positions, block_mask=None, defer_writes=False):
-        return head_pass(self.config, params, ctx.target, ctx.target_params, tokens, inputs, cache, positions,
-                         block_mask, defer_writes)
-
-    def _logits(self, params, ctx, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return head_logits(self.config, params, h)
-
-    def _layer(self) -> LlamaConfig:
-        return self.config.layer
