@@ -45,7 +45,7 @@ from specdec_jax.engine import prepare
 from specdec_jax.engine.calibration import measure_costs, time_target_pass
 from specdec_jax.models.llama import LlamaConfig, LlamaTarget, layer_params, param_shapes
 from specdec_jax.theory import expected_tokens_per_round
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 SHAPES = {  # decoder shapes of published checkpoints (RoPE scaling changes no cost and is left out)
     "qwen2.5-1.5b": LlamaConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,

@@ -34,7 +34,7 @@ from specdec_jax.models.llama import DTYPES
 from specdec_jax.rng import SEED_LIMIT
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
-from specdec_jax.tree import TreeShape, load_choices
+from specdec_jax.token_tree import TreeShape, load_choices
 from specdec_jax.typed import SettingError, check_types, coerce, hints
 
 TREE_DEFAULTS = {"depth": 4, "topk": 2}  # with a tree; its nodes default to depth * topk
@@ -79,7 +79,7 @@ class Inputs:
 
 @dataclasses.dataclass(frozen=True)
 class TreeSettings:
-    """A token tree's shape (`specdec_jax.tree`); every field None: chains. Flat keys: ``tree_`` + field."""
+    """A token tree's shape (`specdec_jax.token_tree`); every field None: chains. Flat keys: ``tree_`` + field."""
 
     PREFIX: ClassVar[str] = "tree_"
     nodes: int | str | None = None  # node count, or "auto": a size chosen per round (engine.shape)

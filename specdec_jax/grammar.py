@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import tree
+from specdec_jax import token_tree
 
 NEVER, STOP, FIRST_TEXT_CLASS = 0, 1, 2  # a table's token classes (docs/constraints.md)
 FREE = 0  # the free grammar's state: every token allowed, always accepting
@@ -179,13 +179,13 @@ def path_states(grammar: DeviceGrammar, states: jax.Array, candidates: jax.Array
                 parents: jax.Array | None = None) -> jax.Array:
     """``i32[B,N+1]``: the state after each input of ``[t0, candidates]``, where ``states`` (i32[B])
     is the state after t0 and ``candidates`` (i32[B,N]) are a chain, or a tree's nodes with
-    ``parents`` (i32[B,N], `tree.ROOT` for a child of t0; parents come before their children)."""
+    ``parents`` (i32[B,N], `token_tree.ROOT` for a child of t0; parents come before their children)."""
     batch, nodes = candidates.shape
     out = jnp.zeros((batch, nodes + 1), jnp.int32).at[:, 0].set(states)
     if nodes == 0:
         return out
     parent_input = (jnp.broadcast_to(jnp.arange(nodes), (batch, nodes)) if parents is None
-                    else jnp.where(parents == tree.ROOT, 0, parents + 1))  # i32[B,N] verify input of the parent
+                    else jnp.where(parents == token_tree.ROOT, 0, parents + 1))  # i32[B,N] verify input of the parent
 
     def step(c, out):
         before = jnp.take_along_axis(out, jax.lax.dynamic_slice_in_dim(parent_input, c, 1, axis=1), axis=1)[:, 0]

@@ -392,7 +392,7 @@ def position_counts(history_counts: jax.Array, drafts: jax.Array, ancestors: jax
       drafts: i32[B,S-1], candidate tokens (padding rows beyond a row's
         num_draft only affect positions whose output is never used).
       ancestors: bool[B,S,S] or None; a token tree's ancestor-or-self mask over
-        the verify inputs [t0, drafts] (`specdec_jax.tree.structure`).
+        the verify inputs [t0, drafts] (`specdec_jax.token_tree.structure`).
 
     Returns:
       f32[B,S,V] counts.

@@ -1,6 +1,6 @@
 """Verification of token trees (docs/design.md section 10; a chain is the tree ``parents = c - 1``).
 
-Row b proposes nodes ``tokens[b, c]`` with ``parents[b, c]`` (`specdec_jax.tree`);
+Row b proposes nodes ``tokens[b, c]`` with ``parents[b, c]`` (`specdec_jax.token_tree`);
 ``valid[b, c]`` says which nodes count (padding, and nodes deeper than the row's
 room, do not). The target's law at verify input u (0 = t0, c + 1 = node c) is
 the law of the token after u. Verification walks down from t0 and accepts at
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import tree
+from specdec_jax import token_tree
 from specdec_jax.rng import Purpose, accept_uniforms, check_keys, for_purpose, with_sub_index
 from specdec_jax.sampling import sample
 from specdec_jax.verify import VerifyResult, truncate_run
@@ -58,14 +58,14 @@ def verify_tree_greedy(tokens, parents, valid, target_argmax, *, stop_ids: Seque
     """Greedy tree verification.
 
     Args:
-      tokens, parents: i32[B,N] the nodes (`specdec_jax.tree`).
+      tokens, parents: i32[B,N] the nodes (`specdec_jax.token_tree`).
       valid: bool[B,N] nodes that may be accepted (a valid node's parent must be valid).
       target_argmax: i32[B,N+1] the target's argmax at each verify input ``[t0, nodes]``.
       stop_ids, budget: as in `verify.verify_greedy`.
     """
     tokens, parents, valid, target_argmax = _check(tokens, parents, valid, target_argmax)
     batch, nodes = tokens.shape
-    depth = tree.structure(parents)[0][:, 1:]
+    depth = token_tree.structure(parents)[0][:, 1:]
     matches = valid & (tokens == jnp.take_along_axis(target_argmax, parents + 1, axis=1))
 
     def mark(c, good):
@@ -75,7 +75,7 @@ def verify_tree_greedy(tokens, parents, valid, target_argmax, *, stop_ids: Seque
     good = jax.lax.fori_loop(0, nodes, mark, jnp.zeros((batch, nodes), bool))
     score = jnp.where(good, depth, 0)
     last, n_accepted = jnp.argmax(score, axis=1).astype(jnp.int32), jnp.max(score, axis=1, initial=0)
-    path = tree.path_to(last, n_accepted, parents, nodes)
+    path = token_tree.path_to(last, n_accepted, parents, nodes)
     last_input = jnp.where(n_accepted > 0, last + 1, 0)
     final = jnp.take_along_axis(target_argmax, last_input[:, None], axis=1)
     return truncate_run(_emitted(tokens, path, n_accepted, final), n_accepted.astype(jnp.int32), stop_ids, budget,
@@ -100,9 +100,9 @@ def verify_tree_stochastic(keys, tokens, parents, valid, draft_probs, target_pro
     tokens, parents, valid, target_probs = _check(tokens, parents, valid, target_probs)
     batch, nodes = tokens.shape
     keys = check_keys(keys, (batch, nodes + 1))
-    depth = tree.structure(parents)[0][:, 1:]
+    depth = token_tree.structure(parents)[0][:, 1:]
     node_keys = jnp.take_along_axis(keys, jnp.maximum(depth - 1, 0), axis=1)
-    uniforms = accept_uniforms(with_sub_index(for_purpose(node_keys, Purpose.ACCEPT), tree.sibling_rank(parents)))
+    uniforms = accept_uniforms(with_sub_index(for_purpose(node_keys, Purpose.ACCEPT), token_tree.sibling_rank(parents)))
     batch_index = jnp.arange(batch)
 
     def visit(carry, c):

@@ -30,7 +30,7 @@ from specdec_jax.drafters.heads import save_head
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig, forward
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 MAX_NEW = 40
 GAMMA = 4

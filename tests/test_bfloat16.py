@@ -33,7 +33,7 @@ from specdec_jax.engine import generate
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import apply, attention
 from specdec_jax.target import chain_positions
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 MAX_NEW, GAMMA = 40, 4
 FLOAT32_NOISE = 1e-5  # logits: the LM head's float32 sums in another shape (measured <= 1e-6, as in float32)

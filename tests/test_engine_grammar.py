@@ -37,7 +37,7 @@ from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import ShapePolicy, round as engine_round
 from specdec_jax.models import LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,4}\."

@@ -31,7 +31,7 @@ from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.engine import ShapePolicy, generate
 from specdec_jax.models import Llama, LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 V = 6
 NEW = 3

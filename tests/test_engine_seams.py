@@ -28,7 +28,7 @@ from specdec_jax import engine
 from specdec_jax.drafters import NgramDrafter
 from specdec_jax.drafters.base import DrafterBase
 from specdec_jax.target import FINAL_NORM
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 LAYERS = (0, FINAL_NORM)
 

@@ -22,7 +22,7 @@ from specdec_jax import engine
 from specdec_jax.engine import generate
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 TREES = {"trie": H.ngram_trie, "decoy-oracle": lambda: H.decoy_tree(H.oracle(0.7)),
          "draft-model": lambda: dataclasses.replace(H.model_drafter(), tree=TreeShape(nodes=8, depth=4, topk=2))}
@@ -62,7 +62,7 @@ def test_trie_beats_the_chain_where_matches_branch():
     """On a prompt whose suffix recurs with different continuations, the trie's second branch
     is accepted where the chain's single (most recent) continuation fails."""
     from specdec_jax.drafters import NgramDrafter
-    from specdec_jax.tree import TreeShape
+    from specdec_jax.token_tree import TreeShape
 
     prompt = [[7, 8, 1, 2, 3, 9, 9, 7, 8, 4, 5, 6, 9, 9, 7, 8, 1, 2, 3, 9, 9, 7, 8]]
     chain = NgramDrafter()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import regex
 
-from specdec_jax import tree
+from specdec_jax import token_tree
 from specdec_jax.constraints import build_tables, token_bytes
 from specdec_jax.grammar import DEAD, FAR, FREE, advance, allowed, path_states, stack_grammars, tokens_to_accept
 from specdec_jax.models.tokenizer import ByteTokenizer
@@ -96,14 +96,14 @@ def test_tree_path_states_follow_each_nodes_own_path(grammar):
         for token in prefix:
             states = states.at[r].set(advance(grammar, states[r : r + 1], jnp.asarray([token]))[0])
     for _ in range(10):
-        parents = np.array([[tree.ROOT] + [int(rng.integers(-1, c)) for c in range(1, nodes)] for _ in range(rows)])
+        parents = np.array([[token_tree.ROOT] + [int(rng.integers(-1, c)) for c in range(1, nodes)] for _ in range(rows)])
         tokens = rng.choice(np.frombuffer(b"yesno12-abcx", np.uint8), size=(rows, nodes)).astype(np.int32)
         got = np.asarray(path_states(grammar, states, jnp.asarray(tokens), jnp.asarray(parents)))
         for r in range(rows):
             pattern = [None, *PATTERNS][kinds[r]]
             for c in range(nodes):
                 path, node = [], c
-                while node != tree.ROOT:
+                while node != token_tree.ROOT:
                     path.insert(0, int(tokens[r, node]))
                     node = parents[r, node]
                 assert (got[r, c + 1] != DEAD) == is_prefix(pattern, start[r] + bytes(path)), (pattern, path)

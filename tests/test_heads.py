@@ -26,7 +26,7 @@ from specdec_jax.drafters.heads import save_head
 from specdec_jax.models import LoadedModel, load_model
 from specdec_jax.models.llama import Llama
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 from test_distill import STEPS, log_of, tiny_config
 
 KINDS = {"eagle": dict(kind="eagle", feature_layers=(1, -1), ce_weight=1.0), "medusa": dict(kind="medusa", medusa_heads=3)}

@@ -481,7 +481,7 @@ def test_speculative_decoding_of_each_family_equals_plain_decoding(family):
     (a tree too) emits exactly the plain greedy tokens of a Qwen2- or Qwen3-shaped target."""
     from specdec_jax.drafters import NgramDrafter
     from specdec_jax.engine import generate
-    from specdec_jax.tree import TreeShape
+    from specdec_jax.token_tree import TreeShape
 
     cfg = FAMILY_CFGS[family]
     target = Llama.from_arrays(cfg, {k: np.asarray(v) for k, v in family_params(cfg).items()})
@@ -520,7 +520,7 @@ def test_bfloat16_speculation_equals_bfloat16_plain_decoding():
     tokens: verification is exact whatever the dtype."""
     from specdec_jax.drafters import NgramDrafter
     from specdec_jax.engine import generate
-    from specdec_jax.tree import TreeShape
+    from specdec_jax.token_tree import TreeShape
 
     cfg = FAMILY_CFGS["qwen2"]
     bf16 = Llama.from_arrays(cfg, {k: np.asarray(v) for k, v in family_params(cfg).items()}).astype("bfloat16")

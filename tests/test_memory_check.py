@@ -20,7 +20,7 @@ from specdec_jax.cli import main
 from specdec_jax.drafters import NgramDrafter
 from specdec_jax.engine import batching, generate, generation
 from specdec_jax.models import load_model
-from specdec_jax.tree import MAX_TREE_NODES, TreeShape, default_choices
+from specdec_jax.token_tree import MAX_TREE_NODES, TreeShape, default_choices
 
 TINY = ["generate", "--model", "tiny-random", "--raw"]
 GiB = 2**30

@@ -37,7 +37,7 @@ from specdec_jax.models import Llama, LlamaConfig
 from specdec_jax.models.loaded import LoadedModel
 from specdec_jax.models.loading import hf_arrays, hf_config
 from specdec_jax.models.tokenizer import ByteTokenizer
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "published_heads.json").read_text())
 EAGLE3 = [case for case, spec in phw.CASES.items() if spec["format"] != "medusa"]

@@ -471,7 +471,7 @@ def test_a_bad_flag_beside_a_train_config_file_names_the_flags_and_a_bad_file_va
 
 
 def test_a_choices_file_of_non_ranks_names_the_file_and_choice(tmp_path):
-    from specdec_jax.tree import load_choices
+    from specdec_jax.token_tree import load_choices
 
     path = tmp_path / "tree.json"
     path.write_text('[[0], ["a"]]')

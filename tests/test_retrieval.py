@@ -38,7 +38,7 @@ from specdec_jax.drafters import NgramDrafter, RetrievalDrafter
 from specdec_jax.drafters.retrieval import PROBES, grow, longest_match, next_tokens, suffix_run
 from specdec_jax.engine import generate
 from specdec_jax.replay import replay_drafter, replay_greedy
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 from test_drafters import context
 
 # ----------------------------------------------------------------------------

@@ -359,7 +359,7 @@ def test_auto_tree_of_the_target_itself_settles_on_its_widest_sizes():
     (the tiny model's flat laws rank some deep nodes below shallow ones), which the policy
     settles on."""
     from specdec_jax.drafters import ModelDrafter
-    from specdec_jax.tree import TreeShape
+    from specdec_jax.token_tree import TreeShape
 
     cfg, params = H.target().config, H.target().model.params()
     drafter = ModelDrafter(cfg, params, tree=TreeShape(nodes=10, depth=3, topk=2))

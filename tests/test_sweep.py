@@ -15,7 +15,7 @@ from specdec_jax.cli import main
 from specdec_jax.config import ConstraintSettings, DrafterSettings, Inputs, TreeSettings, load_yaml, resolve, run_config
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sweep import load_sweep, sweep
-from specdec_jax.tree import load_choices
+from specdec_jax.token_tree import load_choices
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name != "train")  # train configs: test_distill

@@ -29,7 +29,7 @@ from specdec_jax.drafters.dynamic_tree import grow_dynamic_tree
 from specdec_jax.drafters.medusa import medusa_logits
 from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import FINAL_NORM
-from specdec_jax.tree import TreeShape, default_choices, static_tree
+from specdec_jax.token_tree import TreeShape, default_choices, static_tree
 from test_drafters import context
 
 

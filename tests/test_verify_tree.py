@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specdec_jax import tree
+from specdec_jax import token_tree
 from specdec_jax.rng import position_keys
 from specdec_jax.verify import verify_greedy, verify_stochastic
 from specdec_jax.verify_tree import verify_tree_greedy, verify_tree_stochastic
@@ -33,30 +33,30 @@ def row_keys(seed, rows, width):
 
 def test_structure_depths_ancestors_paths_and_compaction():
     parents = jnp.array([[-1, -1, 0, 0, 2, 1]])
-    depth, ancestors = tree.structure(parents)
+    depth, ancestors = token_tree.structure(parents)
     assert depth.tolist() == [[0, 1, 1, 2, 2, 3, 2]]
     # input 5 (node 4): itself, node 2, node 0 and t0
     assert np.flatnonzero(ancestors[0, 5]).tolist() == [0, 1, 3, 5]
     assert np.flatnonzero(ancestors[0, 0]).tolist() == [0]
-    assert tree.sibling_rank(parents).tolist() == [[0, 1, 0, 1, 0, 0]]
-    assert tree.path_to(jnp.array([4]), jnp.array([3]), parents, 6).tolist() == [[0, 2, 4, -1, -1, -1]]
-    assert tree.path_to(jnp.array([0]), jnp.array([0]), parents, 3).tolist() == [[-1, -1, -1]]
+    assert token_tree.sibling_rank(parents).tolist() == [[0, 1, 0, 1, 0, 0]]
+    assert token_tree.path_to(jnp.array([4]), jnp.array([3]), parents, 6).tolist() == [[0, 2, 4, -1, -1, -1]]
+    assert token_tree.path_to(jnp.array([0]), jnp.array([0]), parents, 3).tolist() == [[-1, -1, -1]]
     tokens = jnp.array([[10, 11, 12, 13, 14, 15]])
     keep = jnp.array([[True, False, True, True, True, False]])  # drop node 1 and its child
-    t, p, n = tree.compact(tokens, parents, keep)
+    t, p, n = token_tree.compact(tokens, parents, keep)
     assert n.tolist() == [4] and t[0, :4].tolist() == [10, 12, 13, 14] and p[0, :4].tolist() == [-1, 0, 0, 1]
 
 
 def test_static_tree_orders_choices_and_rejects_bad_ones():
-    parents, depth, rank = tree.static_tree([[1], [0, 0], [0], [0, 1], [0, 0, 0]])
+    parents, depth, rank = token_tree.static_tree([[1], [0, 0], [0], [0, 1], [0, 0, 0]])
     assert parents.tolist() == [-1, -1, 0, 0, 2] and depth.tolist() == [1, 1, 2, 2, 3]
     assert rank.tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="no parent"):
-        tree.static_tree([[0, 0]])
+        token_tree.static_tree([[0, 0]])
     with pytest.raises(ValueError, match="twice"):
-        tree.static_tree([[0], [0]])
+        token_tree.static_tree([[0], [0]])
     with pytest.raises(ValueError, match="earlier node"):
-        tree.check_parents(np.array([-1, 2, 0]))
+        token_tree.check_parents(np.array([-1, 2, 0]))
 
 
 # --- greedy --------------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_greedy_on_a_chain_is_the_chain_rule():
     num_draft = rng.integers(0, gamma + 1, batch)
     valid = np.arange(gamma)[None] < num_draft[:, None]
     chain = verify_greedy(drafts, argmax, num_draft, stop_ids=(2,))
-    as_tree = verify_tree_greedy(drafts, tree.chain_parents(batch, gamma), valid, argmax, stop_ids=(2,))
+    as_tree = verify_tree_greedy(drafts, token_tree.chain_parents(batch, gamma), valid, argmax, stop_ids=(2,))
     for a, b in zip(chain[:3], as_tree[:3]):
         np.testing.assert_array_equal(a, b)
 
@@ -106,7 +106,7 @@ def test_sampling_on_a_chain_draws_what_the_chain_rule_draws(point_mass):
     keys = row_keys(3, batch, gamma + 1)
     law = None if point_mass else jnp.asarray(q)
     chain = verify_stochastic(keys, drafts, law, p, num_draft)
-    as_tree = verify_tree_stochastic(keys, drafts, tree.chain_parents(batch, gamma), valid, law, p)
+    as_tree = verify_tree_stochastic(keys, drafts, token_tree.chain_parents(batch, gamma), valid, law, p)
     mismatch = np.flatnonzero(np.any(np.asarray(chain.tokens) != np.asarray(as_tree.tokens), axis=1))
     assert len(mismatch) <= 2, f"{len(mismatch)} of {batch} rows differ"  # float rounding at a threshold only
     np.testing.assert_array_equal(np.delete(np.asarray(chain.n_emit), mismatch),

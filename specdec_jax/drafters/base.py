@@ -9,7 +9,7 @@ the compiled program as inputs rather than as constants:
     params                                   the drafter's weights (a pytree, or None)
     reads_hidden: tuple[int, ...]            target hidden states it reads (`specdec_jax.target`
                                              layer indices, FINAL_NORM = -1); () reads none
-    tree: TreeShape | None                   a token-tree drafter's shape (`specdec_jax.tree`); its
+    tree: TreeShape | None                   a token-tree drafter's shape (`specdec_jax.token_tree`); its
                                              proposals have `parents` and G = tree.nodes; None: chains
     without_replacement: bool                sampled tree siblings were drawn without replacement
     check(target: TargetModel, mesh | None)  ValueError unless it can draft for this target
@@ -52,11 +52,11 @@ import jax
 from specdec_jax.grammar import RowGrammar
 from specdec_jax.sampling import RowSampling
 from specdec_jax.target import TargetModel
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 
 class Proposal(NamedTuple):
-    """G drafts per row: a chain, or with ``parents`` a token tree of G nodes (`specdec_jax.tree`)."""
+    """G drafts per row: a chain, or with ``parents`` a token tree of G nodes (`specdec_jax.token_tree`)."""
 
     drafts: jax.Array  # i32[B,G] proposed tokens (tree: node tokens), padded past num_draft
     num_draft: jax.Array  # i32[B] real drafts (tree: nodes) per row, 0..G

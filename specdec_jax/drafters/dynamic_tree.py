@@ -34,12 +34,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import tree as trees
+from specdec_jax import token_tree
 from specdec_jax.drafters.base import Proposal
 from specdec_jax.drafters.chain import empty_proposal
 from specdec_jax.grammar import RowGrammar, advance
 from specdec_jax.sampling import RowSampling, add_bias
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 Expand = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array | None]]
 
@@ -86,16 +86,16 @@ def _candidates(shape: TreeShape, first_logits, root_output, expand: Expand, chi
     k, batch = shape.topk, first_logits.shape[0]
     logp, ids, child_states = children(first_logits[:, None], None if grammar is None else grammar.states[:, None], 1)
     frontier_states = None if grammar is None else child_states[:, 0]  # i32[B,K]
-    tokens, scores, parents = [ids[:, 0]], [logp[:, 0]], [jnp.full((batch, k), trees.ROOT, jnp.int32)]
+    tokens, scores, parents = [ids[:, 0]], [logp[:, 0]], [jnp.full((batch, k), token_tree.ROOT, jnp.int32)]
     depths = [jnp.ones((batch, k), jnp.int32)]
     frontier, frontier_score = jnp.broadcast_to(jnp.arange(k), (batch, k)), logp[:, 0]  # candidate ids
     fed_tokens, fed_depth = ids[:, 0], jnp.ones((batch, k), jnp.int32)
-    fed_parents = jnp.full((batch, k), trees.ROOT, jnp.int32)  # index in the fed block
+    fed_parents = jnp.full((batch, k), token_tree.ROOT, jnp.int32)  # index in the fed block
     fed_inputs = (None if root_output is None
                   else jnp.broadcast_to(root_output[:, None], (batch, k) + root_output.shape[1:]))
     first = k  # candidate id of the next depth's first candidate
     for depth in range(2, shape.depth + 1):
-        mask = trees.structure(fed_parents)[1][:, 1:, 1:]
+        mask = token_tree.structure(fed_parents)[1][:, 1:, 1:]
         logits, outputs = expand(fed_tokens, mask, fed_depth, fed_inputs)
         logp, ids, child_states = children(logits, frontier_states, depth)  # [B,K,K]
         score = (frontier_score[:, :, None] + logp).reshape(batch, k * k)
@@ -124,11 +124,11 @@ def _best_tree(tokens, scores, parents, depths, nodes: int) -> Proposal:
     batch = tokens.shape[0]
     _, chosen = jax.lax.top_k(scores - 1e-3 * depths, nodes)
     batch_index = jnp.arange(batch)[:, None]
-    renumber = jnp.full(tokens.shape, trees.ROOT, jnp.int32).at[batch_index, chosen].set(
+    renumber = jnp.full(tokens.shape, token_tree.ROOT, jnp.int32).at[batch_index, chosen].set(
         jnp.arange(nodes, dtype=jnp.int32))
     old_parents = jnp.take_along_axis(parents, chosen, axis=1)
     new_parents = jnp.where(old_parents >= 0, jnp.take_along_axis(renumber, jnp.maximum(old_parents, 0), axis=1),
-                            trees.ROOT)
+                            token_tree.ROOT)
     return Proposal(jnp.take_along_axis(tokens, chosen, axis=1).astype(jnp.int32), jnp.full((batch,), nodes, jnp.int32),
                     None, new_parents)
 

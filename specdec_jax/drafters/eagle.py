@@ -61,7 +61,7 @@ from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, TargetModel
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from specdec_jax.models.llama import (LlamaConfig, attention, layer_params, line
                                       run_layers, visibility)
 from specdec_jax.models.rope import apply_rope, rope_tables
 from specdec_jax.target import TargetModel
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # speculators' variant flags
 

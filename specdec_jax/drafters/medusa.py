@@ -16,7 +16,7 @@ serial draft pass runs; gamma must not exceed K.
 With a `TreeShape` the heads propose Medusa's static tree: a node's choice
 (r_1, .., r_d) is the path of top-k ranks to it, and its token is head d's
 r_d-th most likely token (`--tree-choices FILE` in Medusa's format, or the
-`tree.default_choices` of `--tree-nodes/--tree-depth/--tree-topk`). The tokens
+`token_tree.default_choices` of `--tree-nodes/--tree-depth/--tree-topk`). The tokens
 are fixed by the feature, so they are verified as point masses.
 
 Weights: w [K,H,H], b [K,H], lm_head [K,H,Vo] + vocab_map [Vo] (reduced only).
@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import tree as trees
+from specdec_jax import token_tree
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
 from specdec_jax.drafters.chain import draw_chain, empty_proposal
 from specdec_jax.target import FINAL_NORM, TargetModel
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +128,11 @@ class MedusaDrafter(DrafterBase):
         """The first ``nodes`` nodes of the static tree (ordered by depth, so every prefix is a tree):
         node (r_1 .. r_d) is head d's r_d-th most likely token."""
         shape = self.tree
-        choices = shape.choices or trees.default_choices(shape.nodes, shape.depth, shape.topk)
+        choices = shape.choices or token_tree.default_choices(shape.nodes, shape.depth, shape.topk)
         batch = logits.shape[1]
         if nodes == 0:  # a round without speculation
             return empty_proposal(batch, tree=True)
-        parents, depth, rank = (a[:nodes] for a in trees.static_tree(choices))
+        parents, depth, rank = (a[:nodes] for a in token_tree.static_tree(choices))
         _, ids = jax.lax.top_k(logits[: int(depth.max())], int(rank.max()) + 1)  # i32[D,B,k]
         tokens = ids[depth - 1, :, rank].T  # i32[B,N]
         if "vocab_map" in params:

@@ -37,7 +37,7 @@ from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, apply, forward
 from specdec_jax.sharding import check_model_axis
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import tree as trees
+from specdec_jax import token_tree
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +111,13 @@ class NgramDrafter(DrafterBase):
 
     def _propose_trie(self, ctx: DraftContext, nodes: int) -> Proposal:
         """A trie of the K best matches' continuations, N = ``nodes`` nodes (point masses)."""
-        drafts, parents, count = trees.first_nodes(*self.trie_nodes(ctx), nodes)
+        drafts, parents, count = token_tree.first_nodes(*self.trie_nodes(ctx), nodes)
         return Proposal(drafts, count, None, parents)
 
     def trie_nodes(self, ctx: DraftContext) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(tokens, parents, keep)``, each [B, K*D]: the trie of the K best matches' continuations
         before compaction, node m * D + d the d-th token of match m (the best match's chain first),
-        kept where it is the first of its prefix (`tree.compact` keeps its order)."""
+        kept where it is the first of its prefix (`token_tree.compact` keeps its order)."""
         k, depth = self.tree.topk, self.tree.depth
         tokens, length = ctx.tokens, ctx.num_tokens
         batch, size = tokens.shape
@@ -145,7 +145,7 @@ class NgramDrafter(DrafterBase):
         same = jnp.cumprod(agree, axis=3).astype(bool)
         first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B,K,D] the first match sharing that prefix
         keep = present & (first == jnp.arange(k)[None, :, None])
-        parent = jnp.concatenate([jnp.full((batch, k, 1), trees.ROOT, jnp.int32),
+        parent = jnp.concatenate([jnp.full((batch, k, 1), token_tree.ROOT, jnp.int32),
                                   (first[:, :, :-1] * depth + offset[:, :, :-1]).astype(jnp.int32)], axis=2)
         flat = lambda x: x.reshape(batch, k * depth)  # noqa: E731
         return flat(cont), flat(parent), flat(keep)

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import tree as trees
+from specdec_jax import token_tree
 from specdec_jax.datastore import SEP, Datastore, OutputsStore
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.ngram import NgramDrafter
-from specdec_jax.tree import TreeShape
+from specdec_jax.token_tree import TreeShape
 
 PROBES = 8  # candidate next tokens read per depth of a continuation
 END = -1  # what a read past the datastore's end gives
@@ -258,20 +258,20 @@ class RetrievalDrafter(DrafterBase):
         cont = jnp.concatenate([pick(token)[:, :, None], rest], axis=2)  # [B,K,D]
         present = jnp.cumprod(jnp.concatenate([(count > 0)[:, :, None], rest_present], axis=2), axis=2).astype(bool)
         offset = jnp.arange(depth)[None, None, :]
-        parent = jnp.where(offset == 0, trees.ROOT, jnp.arange(k)[None, :, None] * depth + offset - 1)
+        parent = jnp.where(offset == 0, token_tree.ROOT, jnp.arange(k)[None, :, None] * depth + offset - 1)
         return tuple(x.reshape(batch, k * depth) for x in (cont, jnp.broadcast_to(parent, cont.shape), present))
 
 
 def _first_nodes_of(parts, nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(drafts, num, parents)``: the first ``nodes`` kept nodes of the tries ``parts`` [(tokens, parents,
-    keep) each [B, M_i], parents within the part] in order (`tree.first_nodes`)."""
+    keep) each [B, M_i], parents within the part] in order (`token_tree.first_nodes`)."""
     tokens, parents, keep, shift = [], [], [], 0
     for t, p, k in parts:  # each part's parents point into itself: shift them past the earlier parts
         tokens.append(t)
         parents.append(jnp.where(p >= 0, p + shift, p))
         keep.append(k)
         shift += t.shape[1]
-    drafts, parents, num = trees.first_nodes(jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1).astype(jnp.int32),
+    drafts, parents, num = token_tree.first_nodes(jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1).astype(jnp.int32),
                                              jnp.concatenate(keep, 1), nodes)
     return drafts, num, parents
 

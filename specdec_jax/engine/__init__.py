@@ -2,7 +2,7 @@
 
     state.py       EngineSpec (static), EngineParams (weights), DecodeState (the loop's pytree)
     round.py       draft_step, verify_step (target_pass, target_law, accept / accept_tree, commit,
-                   stop_reasons), decode_round, run_loop; chains and token trees (`specdec_jax.tree`)
+                   stop_reasons), decode_round, run_loop; chains and token trees (`specdec_jax.token_tree`)
     shape.py       ShapePolicy: the draft length and verify width chosen per round (gamma "auto")
     request.py     GenerateRequest: a call's inputs, validated once; buckets and host-side arrays
     memory.py      whether a batch fits the device's free memory (checked before anything runs)

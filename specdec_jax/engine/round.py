@@ -6,7 +6,7 @@
 `verify_step` is the composition of its named parts, each a pure function:
 
     target_pass   the target over [t0, d1..dG] at slots lengths + s, positions lengths + s (a chain)
-                  or lengths + depth under the ancestor mask (a token tree, `specdec_jax.tree`);
+                  or lengths + depth under the ancestor mask (a token tree, `specdec_jax.token_tree`);
                   a `TargetPass`: its logits, or, when nothing past the pass reads them, only
                   the greedy tokens, reduced inside each width's branch; under a grammar
                   constraint the logits of tokens the grammar refuses after each input's own
@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax import grammar, rng, tree
+from specdec_jax import grammar, rng, token_tree
 from specdec_jax.drafters.base import DraftContext, Proposal, RoundOutcome
 from specdec_jax.engine import shape
 from specdec_jax.engine.state import CAPACITY, EOS, GRAMMAR, LENGTH, DecodeState, EngineParams, EngineSpec
@@ -80,7 +80,7 @@ def verify_masks(state: DecodeState, constraint: grammar.RowGrammar | None) -> j
         return None
     drafts, parents = state.proposal.drafts, state.proposal.parents
     states = grammar.path_states(constraint.tables, constraint.states, drafts, parents)  # i32[B,G+1]
-    depth = jnp.arange(drafts.shape[1] + 1)[None, :] if parents is None else tree.structure(parents)[0]
+    depth = jnp.arange(drafts.shape[1] + 1)[None, :] if parents is None else token_tree.structure(parents)[0]
     return constraint.mask(states, depth)
 
 
@@ -121,7 +121,7 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         cap = jnp.minimum(cap, allowed_prefix(ctx.grammar, proposal.drafts))
     num_draft = jnp.clip(proposal.num_draft, 0, cap).astype(jnp.int32)
     if policy is not None:
-        usable = None if proposal.parents is None else tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
+        usable = None if proposal.parents is None else token_tree.structure(proposal.parents)[0][:, 1:] <= room[:, None]
         found = shape.update_found(policy, found, (room > 0) & (draft_choice > 0), num_draft)
         if forced is None:
             verify_choice = shape.choose_verify(policy, state.acceptance, weight, num_draft, draft_choice, usable)
@@ -158,8 +158,8 @@ def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
         probs = (jnp.zeros(like.probs.shape, like.probs.dtype) if proposal.probs is None
                  else jnp.pad(proposal.probs, ((0, 0), (0, pad), (0, 0))))
     if like.parents is not None:
-        parents = (jnp.full(like.parents.shape, tree.ROOT, jnp.int32) if proposal.parents is None
-                   else jnp.pad(proposal.parents, ((0, 0), (0, pad)), constant_values=tree.ROOT))
+        parents = (jnp.full(like.parents.shape, token_tree.ROOT, jnp.int32) if proposal.parents is None
+                   else jnp.pad(proposal.parents, ((0, 0), (0, pad)), constant_values=token_tree.ROOT))
     return Proposal(drafts.astype(like.drafts.dtype), proposal.num_draft.astype(jnp.int32), probs, parents)
 
 
@@ -200,7 +200,7 @@ def target_pass(spec: EngineSpec, target_params, state: DecodeState, masks: jax.
     if parents is None:
         positions, mask = chain_positions(state.cache.lengths, inputs.shape[1]), None
     else:
-        depth, mask = tree.structure(parents)
+        depth, mask = token_tree.structure(parents)
         positions = state.cache.lengths[:, None] + depth
     keep, greedy = keeps_logits(spec, state), not state.sampling.any_sampled
     counts = _penalty_counts(spec, state) if greedy else None
@@ -252,7 +252,7 @@ def _penalty_counts(spec: EngineSpec, state: DecodeState) -> PenaltyCounts | Non
         return None
     history = PenaltyCounts.of_history(state.tokens, state.num_tokens, state.prompt_lens, spec.target.vocab_size)
     parents = state.proposal.parents
-    return history.at_positions(state.proposal.drafts, None if parents is None else tree.structure(parents)[1])
+    return history.at_positions(state.proposal.drafts, None if parents is None else token_tree.structure(parents)[1])
 
 
 def accept(spec: EngineSpec, state: DecodeState, scored: TargetPass,
@@ -287,7 +287,7 @@ def accept_tree(spec: EngineSpec, state: DecodeState, scored: TargetPass, budget
 def verified_nodes(spec: EngineSpec, state: DecodeState) -> tuple[jax.Array, jax.Array]:
     """A tree proposal's node depths i32[B,G] (1 = a child of t0) and which nodes are verified,
     bool[B,G]: the first num_draft, within the row's room."""
-    depth = tree.structure(state.proposal.parents)[0][:, 1:]
+    depth = token_tree.structure(state.proposal.parents)[0][:, 1:]
     valid = (jnp.arange(spec.gamma)[None, :] < state.proposal.num_draft[:, None]) & (
         depth <= draft_room(spec, state)[:, None])
     return depth, valid
