@@ -56,7 +56,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specdec_jax import engine
-from specdec_jax.compare import compare_rows
+from specdec_jax.compare import compare_rows, logprob_sum
 from specdec_jax.config import RunConfig, run_config
 from specdec_jax.datastore import OUTPUTS
 from specdec_jax.engine.calibration import time_draft_step, time_target_pass
@@ -212,7 +212,10 @@ def bench_batch(setup: Setup, chunk: list[dict], repeats: int) -> dict:
         if cfg.sampling.temperature == 0 else (None, [None] * len(chunk))
     )
     row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
-    row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens)  # for replays
+    params = target.model.params()
+    row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens,  # for replays
+               logprob_sum={g: logprob_sum(target.config, params, prompts, r.tokens) for g, r in
+                            (("plain", plain), ("spec", spec))})
     return row
 
 
@@ -352,6 +355,9 @@ def _aggregate(rows: list[dict], gamma: int) -> dict:
         "verify_widths": rows[0]["verify_widths"],
         "width_rounds": np.sum([r["width_rounds"] for r in rows], axis=0).tolist(),
         "exact_match_rate": sum(exact) / len(exact) if exact else None,
+        # the mean raw log-probability of the outputs (teacher-forced): equal in law for plain and spec
+        "mean_logprob": {g: sum(r["logprob_sum"][g] for r in rows) / max(tok, 1)
+                         for g, tok in (("plain", plain_tok), ("spec", spec_tok))},
         "tie_aware_equal": all(flags) if flags else None,
         **(_aggregate_peer(rows, plain_tok / plain_s, spec_tok / spec_s) if all("hf" in r for r in rows) else {}),
     }
@@ -403,15 +409,15 @@ def format_report(report: dict) -> str:
             f"(medians), {report['device']}")
     lines = [head, "",
              "| category | prompts | plain tok/s | spec tok/s | speedup | tok/round | accept | T1 ms | Tv ms | "
-             "verify ms/round | Td ms | Tv/T1 | predicted | meas/pred | equal (exact rate) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "verify ms/round | Td ms | Tv/T1 | predicted | meas/pred | equal (exact rate) | logprob plain / spec |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in [*report["categories"].items(), ("**overall**", report["overall"])]:
         equal = "-" if a["tie_aware_equal"] is None else f"{'yes' if a['tie_aware_equal'] else 'NO'} ({a['exact_match_rate']:.2f})"
         lines.append(
             f"| {name} | {a['prompts']} | {a['plain_tokens_per_s']:.1f} | {a['spec_tokens_per_s']:.1f} | "
             f"{a['speedup']:.2f}x | {a['tokens_per_round']:.2f} | {format_rate(a['acceptance_rate'])} | {a['T1_ms']:.1f} | "
             f"{a['Tv_ms']:.1f} | {a['verify_ms_per_round']:.1f} | {a['Td_ms']:.2f} | {a['Tv_over_T1']:.2f} | {a['predicted_speedup']:.2f}x | "
-            f"{a['measured_over_predicted']:.2f} | {equal} |")
+            f"{a['measured_over_predicted']:.2f} | {equal} | {a['mean_logprob']['plain']:.3f} / {a['mean_logprob']['spec']:.3f} |")
     if "hf_greedy_tokens_per_s" in report["overall"]:
         mode = report["overall"]["hf_drafted_mode"]  # lookup or assisted
         lines += ["", f"| category | hf greedy tok/s | ours plain / hf greedy | hf {mode} tok/s | ours spec / hf {mode} "

@@ -62,8 +62,8 @@ def top2_margin(logits: jax.Array) -> jax.Array:
 _forward = jax.jit(forward, static_argnums=0)
 
 
-def teacher_forced_margins(config, params, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-    """f32[len(continuation)]: the target's top-2 margin where it predicts each continuation token.
+def teacher_forced_logits(config, params, prompt: Sequence[int], continuation: Sequence[int]) -> jax.Array:
+    """f32[len(continuation), V]: the target's logits where it predicts each continuation token.
 
     One forward pass over prompt + continuation, padded to a power of two (one compile per bucket).
     """
@@ -73,7 +73,23 @@ def teacher_forced_margins(config, params, prompt: Sequence[int], continuation: 
     tokens[0, : len(sequence)] = sequence
     logits, _ = _forward(config, params, jnp.asarray(tokens), config.init_cache(1, width))
     start = len(prompt) - 1
-    return np.asarray(top2_margin(logits[0, start : start + len(continuation)]))
+    return logits[0, start : start + len(continuation)]
+
+
+def teacher_forced_margins(config, params, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+    """f32[len(continuation)]: the target's top-2 margin where it predicts each continuation token."""
+    return np.asarray(top2_margin(teacher_forced_logits(config, params, prompt, continuation)))
+
+
+def logprob_sum(config, params, prompts, continuations) -> float:
+    """The summed log-probability of every continuation token under the target's raw law (``log_softmax``
+    of its logits, teacher-forced): a decoder that keeps the law keeps its mean per token."""
+    total = 0.0
+    for prompt, continuation in zip(prompts, continuations):
+        if continuation:
+            logp = jax.nn.log_softmax(teacher_forced_logits(config, params, prompt, continuation), axis=-1)
+            total += float(jnp.take_along_axis(logp, jnp.asarray(continuation)[:, None], axis=-1).sum())
+    return total
 
 
 def compare_rows(config, params, prompts, references, candidates,

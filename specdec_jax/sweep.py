@@ -39,7 +39,7 @@ from specdec_jax.config import RunConfig, check_keys, read_yaml, resolve
 from specdec_jax.files import exclusive, json_safe, write_text_atomic
 
 SCALAR_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s", "wall_s", "emitted_tokens", "rounds",
-                  "draft_tokens", "accepted_tokens")
+                  "draft_tokens", "accepted_tokens", "mean_logprob")  # mean_logprob: with `logprobs` set
 PLOTTED_METRICS = ("mean_accepted_length", "acceptance_rate", "tokens_per_s")
 SWEEP_KEYS = ("base", "grid")  # the keys of a sweep file: a config, and key: list of values
 
@@ -104,7 +104,7 @@ def _run_points(path, keys: list[str], configs: list[RunConfig], out: pathlib.Pa
         record = {
             "point": {k: cfg.value(k) for k in keys},
             "config": cfg.to_dict(),
-            "metrics": report["metrics"],
+            "metrics": {**report["metrics"], **mean_logprob(report["results"])},
             "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
             "seed": cfg.seed,
             **provenance,
@@ -118,6 +118,15 @@ def _run_points(path, keys: list[str], configs: list[RunConfig], out: pathlib.Pa
     write_tables(records, keys, out)
     plot_sweep(records, keys, out)
     return records
+
+
+def mean_logprob(results: list[dict]) -> dict:
+    """``{"mean_logprob": x}``: the mean log-probability per emitted token of a run with ``logprobs`` (under
+    its ``logprobs_mode``; a quick check that a change kept the law), else {}."""
+    values = [e["logprob"] for r in results for e in r.get("logprobs", ())]
+    if not values:
+        return {}
+    return {"mean_logprob": None if None in values else sum(values) / len(values)}  # None: a -inf
 
 
 def write_tables(records: list[dict], keys: list[str], out: pathlib.Path) -> None:

@@ -73,7 +73,11 @@ def test_report_has_categories_and_cost_model(report):
             assert batch["prefill_s"][mode] > 0
         assert batch["tie_aware_equal"] == [True] and batch["exact_equal"] == [True]
         prompt = encode(target.tokenizer, text, raw=True)
-        output = engine.generate(target, [prompt], max_new_tokens=NEW).tokens[0]  # plain decoding
+        plain = engine.generate(target, [prompt], max_new_tokens=NEW, logprobs=0)  # plain decoding
+        output = plain.tokens[0]
+        # the outputs' teacher-forced log-probability, against the one the plain run recorded
+        assert batch["logprob_sum"]["plain"] == pytest.approx(float(plain.logprobs[0].sum()), abs=1e-3)
+        assert batch["logprob_sum"]["spec"] == pytest.approx(batch["logprob_sum"]["plain"], abs=1e-4)
         counts = replay(prompt, output)
         rounds = counts["rounds"]
         assert batch["loop_rounds"] == {"plain": NEW, "spec": rounds}
@@ -88,6 +92,8 @@ def test_report_has_categories_and_cost_model(report):
         assert batch["predicted_speedup"] == pytest.approx(NEW * 0.010 / spec_s)
         assert batch["speedup"] == pytest.approx(batch["plain_s"] / batch["spec_s"])
     assert report["batches"][0]["width_rounds"][1] > 0  # the copy prompt drafted
+    mean = report["overall"]["mean_logprob"]
+    assert mean["plain"] < 0 and mean["spec"] == pytest.approx(mean["plain"], abs=1e-6)
     assert report["memory_bandwidth_gb_s"] > 0.1
     assert 0 < report["plain_fraction_of_bandwidth_floor"]
 

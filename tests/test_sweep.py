@@ -171,7 +171,9 @@ def write_sweep(tmp_path, grid="{gamma: [1, 2]}", base=None):
 
 def test_sweep_writes_records_tables_and_plots(tmp_path):
     out = tmp_path / "out"
-    records = sweep(write_sweep(tmp_path), out, progress=False)
+    base = ("{model: tiny-random, drafter: oracle, oracle_alpha: 0.7, max_new_tokens: 6, ignore_eos: true, raw: true, "
+            "batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3, logprobs: 0}")
+    records = sweep(write_sweep(tmp_path, base=base), out, progress=False)
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(records) == len(lines) == 2
     for record, gamma in zip(map(json.loads, lines), [1, 2]):
@@ -181,8 +183,12 @@ def test_sweep_writes_records_tables_and_plots(tmp_path):
         metrics = record["metrics"]
         assert metrics["emitted_tokens"] == 12 and metrics["wall_s"] > 0
         assert 1.0 <= metrics["mean_accepted_length"] <= gamma + 1
+        run = runner.run(load_sweep(write_sweep(tmp_path, base=base))[1][gamma - 1], progress=False)
+        recorded = [e["logprob"] for r in run["results"] for e in r["logprobs"]]
+        assert metrics["mean_logprob"] == pytest.approx(sum(recorded) / 12) and metrics["mean_logprob"] < 0
     rows = list(csv.reader((out / "results.csv").open()))
     assert rows[0][:2] == ["gamma", "mean_accepted_length"] and [r[0] for r in rows[1:]] == ["1", "2"]
+    assert rows[0][-1] == "mean_logprob" and all(float(r[-1]) < 0 for r in rows[1:])
     assert (out / "table.md").read_text().count("\n") == 4
     assert (out / "gamma.png").stat().st_size > 1000
 
