@@ -136,10 +136,10 @@ def test_greedy_rounds_match_dflash_generate(folders, case):
         request = GenerateRequest(target(spec["target"]).model, [prompt], drafter, gamma=int(block) - 1,
                                   max_new_tokens=dw.MAX_NEW)
         prepared = prepare_request(request, compile_loop=False)
-        state, emitted = prepared.state, []
+        state, emitted, one_round = prepared.state, [], jax.jit(functools.partial(decode_round, prepared.spec))
         while bool(jnp.any(~state.done)):
             before = int(state.num_tokens[0])
-            state = decode_round(prepared.spec, prepared.params, state)
+            state = one_round(prepared.params, state)
             emitted.append(int(state.num_tokens[0]) - before)
         tokens = np.asarray(state.tokens[0, len(prompt): int(state.num_tokens[0])]).tolist()
         assert tokens == run["output_ids"]
@@ -258,14 +258,15 @@ def test_a_block_near_the_budget_is_cut_as_the_reference_cuts_it(folders):
     prompt = FIXTURE["targets"]["llama"]["prompt"]
     prepared = prepare_request(GenerateRequest(loaded_target.model, [prompt], drafter, gamma=5, max_new_tokens=5),
                                compile_loop=False)
-    state, cut_differs = decode_round(prepared.spec, prepared.params, prepared.state), False
+    one_round, drafted = (jax.jit(functools.partial(f, prepared.spec)) for f in (decode_round, draft_step))
+    state, cut_differs = one_round(prepared.params, prepared.state), False
     while bool(jnp.any(~state.done)):
         room, n = int(draft_room(prepared.spec, state)[0]), int(state.num_tokens[0])
-        drafts = np.asarray(draft_step(prepared.spec, prepared.params, state).proposal.drafts[0, :room])
+        drafts = np.asarray(drafted(prepared.params, state).proposal.drafts[0, :room])
         sequence = np.asarray(state.tokens[0, :n]).tolist()
         cut = round_logits(with_block(drafter, min(6, room + 2)), loaded_target, sequence, n - 1)
         whole = round_logits(drafter, loaded_target, sequence, n - 1)
         assert drafts.tolist() == cut.argmax(-1)[:room].tolist()
         cut_differs |= cut.argmax(-1)[:room].tolist() != whole.argmax(-1)[:room].tolist()
-        state = decode_round(prepared.spec, prepared.params, state)
+        state = one_round(prepared.params, state)
     assert cut_differs
