@@ -23,6 +23,7 @@ from specdec_jax.distill.data import batch_indices, split_questions, vocab_by_fr
 from specdec_jax.distill.draft import copied_layers, distill_loss
 from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import learning_rate_schedule, train_draft
+from specdec_jax.drafters.eagle3 import Eagle3Config
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import Llama
@@ -207,8 +208,9 @@ def test_every_train_config_in_configs_loads():
         kinds.add(tc.kind)
         if tc.kind == "model":
             assert setup.num_layers == tc.num_layers
-        else:
-            assert setup.head.hidden_size == target.config.hidden_size
+        else:  # an EAGLE-3 head's width is its decoder's
+            head = setup.head.layer if isinstance(setup.head, Eagle3Config) else setup.head
+            assert head.hidden_size == target.config.hidden_size
     assert kinds == {"model", "eagle", "medusa"}
 
 

@@ -29,7 +29,8 @@ from specdec_jax.sampling import SamplingParams
 from specdec_jax.token_tree import TreeShape
 from test_distill import STEPS, log_of, tiny_config
 
-KINDS = {"eagle": dict(kind="eagle", feature_layers=(1, -1), ce_weight=1.0), "medusa": dict(kind="medusa", medusa_heads=3)}
+KINDS = {"eagle": dict(kind="eagle", eagle_version=1, feature_layers=(1, -1), ce_weight=1.0),  # this project's head
+         "medusa": dict(kind="medusa", medusa_heads=3)}
 
 
 @functools.cache
@@ -206,40 +207,57 @@ def test_extra_text_adds_teacher_forced_training_windows_only(root, tmp_path, mo
 
 # ---------------------------------------------------------------- EAGLE-3's training-time test (ttt_steps)
 
-def test_training_time_test_steps_are_what_drafting_computes():
+def ttt_head(version: str):
+    """(head config, params with the target's embedding) of a random EAGLE-1 or EAGLE-3 head of the test target."""
+    from specdec_jax.distill.eagle3_head import eagle3_config, init_eagle3
+
+    cfg, arrays = H.target().config, H.target().model.arrays()
+    if version == "eagle1":
+        head = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        params = init_eagle(head, jax.random.key(3))
+    else:
+        head = eagle3_config(cfg, (0, 2), dict(intermediate_size=64, num_heads=cfg.num_heads,
+                                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim), None)
+        head = dataclasses.replace(head, norm_output=version == "eagle3-norm_output")
+        params = init_eagle3(head, 3, arrays["lm_head"].T, None)
+    return head, {**params, "target": {"embed": arrays["embed"], "lm_head": arrays["lm_head"]}}
+
+
+@pytest.mark.parametrize("version", ["eagle1", "eagle3", "eagle3-norm_output"])
+def test_training_time_test_steps_are_what_drafting_computes(version):
     """Step t of the unrolled loss at position j equals draft t + 1 of the drafting path: the head's
-    cache filled with the real context up to j - t, then its own outputs fed back t times (the
-    tokens teacher-forced); a wrong visibility (step 0 up to j, or the whole of earlier steps) fails."""
+    cache filled with the real context up to j - t, then what it feeds back (its outputs, or EAGLE-3's
+    normed ones) fed t times (the tokens teacher-forced); a wrong visibility (step 0 up to j, or the
+    whole of earlier steps) fails."""
     import jax.numpy as jnp
 
-    from specdec_jax.distill.kinds import unrolled_outputs
-    from specdec_jax.drafters.eagle import head_pass
+    from specdec_jax.distill.kinds import head_functions, unrolled_outputs
     from specdec_jax.models.llama import LlamaTarget
 
     cfg = H.target().config
-    head = EagleConfig(cfg.hidden_size, cfg.vocab_size, 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    target = LlamaTarget(cfg)
-    params = {**init_eagle(head, jax.random.key(3)), "target": {"embed": H.target().model.arrays()["embed"]}}
+    head, params = ttt_head(version)
+    functions, target = head_functions(head), LlamaTarget(cfg)
     rng = np.random.default_rng(0)
     width, steps = 7, 3
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
     inputs = jnp.asarray(rng.standard_normal((1, width, cfg.hidden_size)), jnp.float32)
     outputs = unrolled_outputs(head, target, params, tokens, inputs, steps)
     # one compiled pass per input width (op-by-op dispatch would compile every operation per width)
-    drafting = jax.jit(functools.partial(head_pass, head, target=target), static_argnames="target")
+    drafting = jax.jit(functools.partial(functions.head_pass, head, target=target), static_argnames="target")
+    feed = jax.jit(lambda params, h: functions.logits(head, params, target, params["target"], h)[1])
     for step in range(1, steps):
         for j in range(step, width):
             start = j - step  # the real context: positions 0 .. start
             h, cache = drafting(params, target_params=params["target"], tokens=tokens[:, : start + 1],
                                 inputs=inputs[:, : start + 1], cache=head.layer.init_cache(1, width),
                                 positions=jnp.arange(start + 1)[None])
-            fed = h[:, -1]
+            fed, h = feed(params, h[:, -1]), h[:, -1]
             for position in range(start + 1, j + 1):
                 h, cache = drafting(params, target_params=params["target"], tokens=tokens[:, position : position + 1],
                                     inputs=fed[:, None], cache=cache.with_lengths(jnp.asarray([position])),
                                     positions=jnp.asarray([[position]]))
-                fed = h[:, 0]
-            np.testing.assert_allclose(outputs[step][0, j], fed[0], rtol=2e-4, atol=2e-4, err_msg=f"step {step} j {j}")
+                fed, h = feed(params, h[:, 0]), h[:, 0]
+            np.testing.assert_allclose(outputs[step][0, j], h[0], rtol=2e-4, atol=2e-4, err_msg=f"step {step} j {j}")
 
 
 @pytest.mark.slow

@@ -51,6 +51,9 @@ class TrainConfig:
     regression_weight: float = 1.0  # eagle: smooth-L1 feature regression (final-norm features only)
     ce_weight: float = 0.1  # eagle: cross-entropy against the target's law
     ttt_steps: int = 0  # eagle: EAGLE-3's training-time test, k more steps on the head's own features
+    # eagle: 3, EAGLE-3's head (speculators' format, vLLM loads it), where feature_layers [-1] stands for
+    # the published ones (distill.eagle3_head); 1, EAGLE-1's (this project's head folder)
+    eagle_version: int = 3
     # optimisation (AdamW, linear warmup then cosine decay, global-norm clipping)
     steps: int = 300
     batch_size: int = 16
@@ -97,6 +100,12 @@ class TrainConfig:
             raise ValueError(f"ttt_steps must be an int >= 0, got {self.ttt_steps!r}")
         if self.ttt_steps and self.kind != "eagle":
             raise ValueError("ttt_steps (the training-time test) is for kind eagle")
+        if self.eagle_version not in (1, 3):
+            raise ValueError(f"eagle_version must be 1 or 3, got {self.eagle_version!r}")
+        eagle3 = self.kind == "eagle" and self.eagle_version == 3
+        if eagle3 and len(self.feature_layers) > 1 and -1 in self.feature_layers:
+            raise ValueError("an EAGLE-3 head reads inputs of target layers (speculators' format): feature_layers "
+                             "cannot hold -1, the final-norm state (alone it stands for the published layers)")
         if self.init not in ("target", "random"):
             raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
         if not self.learning_rate > 0 or self.weight_decay < 0 or not self.clip_norm > 0:

@@ -3,7 +3,7 @@
 One pipeline (`distill.train`: data, AdamW, checkpoints, resume, evaluation,
 curve) serves every kind; a kind supplies only what differs:
 
-    data_layers(tc)              target hidden states the data stores (None: decoded answers, no features)
+    data_layers(tc, num_layers)  target hidden states the data stores (None: decoded answers, no features)
     setup(target, tc)            the static architecture (hashable; the loss's first argument)
     init(setup, target, tc, vocab_map) -> {name: array}, including the frozen ones
     frozen(tc)                   names the optimizer leaves alone
@@ -25,7 +25,9 @@ import numpy as np
 
 from specdec_jax.distill.config import TrainConfig
 from specdec_jax.distill.draft import WIDTH_KEYS, distill_loss, draft_config, frozen_names, init_draft, top_k_ce
-from specdec_jax.drafters.eagle import EagleConfig, head_logits, head_pass, init_eagle, project
+from specdec_jax.distill.eagle3_head import eagle3_config, eagle3_layers, export_eagle3, init_eagle3
+from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, HeadFunctions, init_eagle
+from specdec_jax.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specdec_jax.drafters.heads import save_head, target_fingerprint
 from specdec_jax.drafters.medusa import MedusaConfig, init_medusa, medusa_logits
 from specdec_jax.models.llama import Llama, LlamaTarget
@@ -61,7 +63,7 @@ class ModelKind:
 
     name = "model"
 
-    def data_layers(self, tc):
+    def data_layers(self, tc, num_layers):
         return None
 
     def setup(self, target, tc):
@@ -85,7 +87,7 @@ class ModelKind:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSetup:
-    head: EagleConfig | MedusaConfig
+    head: EagleConfig | Eagle3Config | MedusaConfig
     target: LlamaTarget  # for the shared embedding and LM head
     noise: float = 0.0  # eagle: feature noise (relative to the features' RMS) while training
     regression_weight: float = 1.0
@@ -107,12 +109,15 @@ class EagleKind:
     j - t. Its query sees what drafting would have cached: step 0's keys at slots <= j - t and
     its own chain's steps 1..t (`ttt_visible`). Each step has the targets of step 0; the loss is
     the mean over steps, and ``agreement_step{t+1}`` is the agreement of draft t + 1.
+
+    With ``eagle_version`` 3 (the default) the head is EAGLE-3's (`distill.eagle3_head`), its loss the cross-entropy
+    (no regression: its features are not the final-norm state), saved in speculators' format.
     """
 
     name = "eagle"
 
-    def data_layers(self, tc):
-        return tc.feature_layers
+    def data_layers(self, tc, num_layers):
+        return eagle3_layers(tc.feature_layers, num_layers) if tc.eagle_version == 3 else tc.feature_layers
 
     def setup(self, target, tc):
         cfg = target.config
@@ -120,12 +125,18 @@ class EagleKind:
         if widths["hidden_size"] != cfg.hidden_size:
             raise ValueError("an EAGLE head works at the target's hidden size: leave hidden_size null")
         del widths["hidden_size"]
+        if tc.eagle_version == 3:
+            head = eagle3_config(cfg, tc.feature_layers, widths, head_vocab(target, tc))
+            return HeadSetup(head, LlamaTarget(cfg), tc.feature_noise, 0.0, tc.ce_weight, tc.ttt_steps)
         head = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, feature_layers=tc.feature_layers,
                            output_vocab_size=head_vocab(target, tc), rope_theta=cfg.rope_theta,
                            rms_norm_eps=cfg.rms_norm_eps, **widths)
         return HeadSetup(head, LlamaTarget(cfg), tc.feature_noise, tc.regression_weight, tc.ce_weight, tc.ttt_steps)
 
     def init(self, setup, target, tc, vocab_map):
+        if isinstance(setup.head, Eagle3Config):
+            return {**init_eagle3(setup.head, tc.seed, target_head_rows(target), vocab_map),
+                    "target": shared_target_weights(target)}
         arrays = init_eagle(setup.head, jax.random.key(tc.seed), target_head_rows(target), vocab_map)
         return {**arrays, "target": shared_target_weights(target)}
 
@@ -136,7 +147,7 @@ class EagleKind:
         cfg, target = setup.head, setup.target
         tokens, weight = batch["tokens"], batch["weight"][:, 1:]  # input j predicts position j + 1's law
         features = batch["features"].astype(jnp.float32)  # f32[B,S,k,H]
-        inputs = project(cfg, params, features)
+        inputs = head_functions(cfg).project(cfg, params, features)
         if train and setup.noise > 0:
             key = jax.random.fold_in(jax.random.key(0), batch["step"])
             rms = jnp.sqrt(jnp.mean(inputs * inputs, axis=-1, keepdims=True))
@@ -158,9 +169,9 @@ class EagleKind:
     def _step_loss(setup, params, batch, h, features, weight):
         """(loss, metrics) of outputs ``h f32[B,S-1,H]`` (input j predicts position j + 1) under ``weight``."""
         cfg = setup.head
-        logits = head_logits(cfg, params, setup.target, params["target"], h)
+        logits = head_functions(cfg).logits(cfg, params, setup.target, params["target"], h)[0]
         ce, agree = top_k_ce(logits, params.get("vocab_map"), batch["top_ids"][:, 1:], batch["top_logp"][:, 1:],
-                             cfg.vocab_size)
+                             setup.target.config.vocab_size)
         total = jnp.maximum(weight.sum(), 1.0)
         ce = jnp.sum(ce * weight) / total
         loss = setup.ce_weight * ce
@@ -174,27 +185,37 @@ class EagleKind:
         return loss, metrics
 
     def export(self, out, setup, params, tokenizer, target_info, info):
+        if isinstance(setup.head, Eagle3Config):
+            return export_eagle3(out / "head", setup.head, params, target_info, info, setup.ttt_steps + 1)
         arrays = {k: v for k, v in params.items() if k != "target"}
         return save_head(out / "head", self.name, setup.head, arrays, target_info, info)
 
 
-def unrolled_outputs(cfg: EagleConfig, target, params, tokens: jax.Array, inputs: jax.Array,
+def head_functions(cfg: EagleConfig | Eagle3Config) -> HeadFunctions:
+    """The projection, pass and logits of an EAGLE-1 or EAGLE-3 head, as drafting calls them."""
+    return (Eagle3Drafter if isinstance(cfg, Eagle3Config) else EagleDrafter).head
+
+
+def unrolled_outputs(cfg: EagleConfig | Eagle3Config, target, params, tokens: jax.Array, inputs: jax.Array,
                      steps: int) -> list[jax.Array]:
     """The head's outputs f32[B,S,H] at each of ``steps`` training-time-test steps (`EagleKind`)
     over ``tokens i32[B,S]`` (token j + 1 of input j) and projected target features ``inputs
     f32[B,S,H]``: step 0 is the teacher-forced pass; step t's output at j is what drafting
-    would compute as draft t + 1 after the real context up to j - t (valid for j >= t)."""
+    would compute as draft t + 1 after the real context up to j - t (valid for j >= t); each step is
+    fed what drafting feeds (the head's `HeadFunctions`: its output, or EAGLE-3's ``norm_output``)."""
     batch_size, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch_size, width))
     cache, fed, outputs = cfg.layer.init_cache(batch_size, steps * width), inputs, []
+    functions = head_functions(cfg)
     for step in range(steps):
         visible = None if step == 0 else jnp.broadcast_to(ttt_visible(width, step, steps),
                                                           (batch_size, width, steps * width))
-        h, cache = head_pass(cfg, params, target, params["target"], tokens, fed,
+        h, cache = functions.head_pass(cfg, params, target, params["target"], tokens, fed,
                              cache.with_lengths(jnp.full((batch_size,), step * width, jnp.int32)), positions,
                              visible=visible)
         outputs.append(h)
-        fed = jnp.pad(h[:, :-1], ((0, 0), (1, 0), (0, 0)))  # step t + 1's input at j: step t's output at j - 1
+        fed = functions.logits(cfg, params, target, params["target"], h)[1]
+        fed = jnp.pad(fed[:, :-1], ((0, 0), (1, 0), (0, 0)))  # step t + 1's input at j: step t's output at j - 1
     return outputs
 
 
@@ -216,7 +237,7 @@ class MedusaKind:
 
     name = "medusa"
 
-    def data_layers(self, tc):
+    def data_layers(self, tc, num_layers):
         return (FINAL_NORM,)
 
     def setup(self, target, tc):

@@ -212,7 +212,7 @@ def _datasets(target: LoadedModel, tc: TrainConfig, out: pathlib.Path, progress:
     train_q, heldout_q = split_questions(spec_bench_questions(tc.prompts_file), tc.heldout_per_category)
     train_records = training_prompts(train_q, tc.max_train_prompts)
     heldout_records = [{"id": str(q["question_id"]), "prompt": q["turns"][0]} for q in heldout_q][: tc.eval_prompts]
-    datasets, layers = [], kind_of(tc).data_layers(tc)
+    datasets, layers = [], kind_of(tc).data_layers(tc, target.config.num_layers)
     for records, path in zip((train_records, heldout_records), paths):
         data = (build_dataset(target, tc, records, progress) if layers is None
                 else build_feature_dataset(target, tc, records, layers, progress))
@@ -247,7 +247,8 @@ def _resumable(manager, tc: TrainConfig) -> int:
     step = manager.latest_step()
     where = manager.directory / str(step)
     meta = _checkpoint_part(manager, step, meta=ocp.args.JsonRestore())["meta"]
-    saved = {**TrainConfig().to_dict(), **meta["config"]}  # a field newer than the checkpoint: its default
+    # a field newer than the checkpoint: its default; eagle_version: checkpoints without it are EAGLE-1 heads
+    saved = {**TrainConfig().to_dict(), "eagle_version": 1, **meta["config"]}
     changed = [f"{k} ({saved[k]!r} -> {v!r})" for k, v in tc.to_dict().items()
                if k not in RESUMABLE_KEYS and saved[k] != v]
     if changed:

@@ -117,8 +117,10 @@ def project(cfg: Eagle3Config, params, features: jax.Array) -> jax.Array:
 
 
 def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cache: KVCache, cos, sin,
-                 block_mask: jax.Array | None, defer_writes: bool) -> tuple[jax.Array, KVCache]:
-    """The first decoder layer over ``embeds, x f32[B,S,H]`` (module docstring) with its one-layer ``cache``."""
+                 block_mask: jax.Array | None, defer_writes: bool,
+                 visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """The first decoder layer over ``embeds, x f32[B,S,H]`` (module docstring) with its one-layer ``cache``
+    (``visible`` as in `models.llama.run_layers`)."""
     layer, eps = cfg.layer, cfg.layer.rms_norm_eps
     w = {name: params[name][0] for name in layer_params(layer)}
     batch, steps = x.shape[:2]
@@ -138,7 +140,9 @@ def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cac
                          (k, v, jnp.broadcast_to(own, (batch, steps, steps))))
     else:
         cache = cache.write(0, k, v)
-        attn = attention(q, cache.k[0], cache.v[0], visibility(cache.lengths, steps, cache.capacity, block_mask))
+        if visible is None:
+            visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
+        attn = attention(q, cache.k[0], cache.v[0], visible)
     x = (hidden if cfg.norm_before_residual else x) + linear(attn.reshape(batch, steps, -1), w["wo"])
     h = rms_norm(x, w["mlp_norm"], eps)
     return x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"]), cache
@@ -146,19 +150,21 @@ def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cac
 
 def head_pass(cfg: Eagle3Config, params, target: TargetModel, target_params, tokens: jax.Array, inputs: jax.Array,
               cache: KVCache, positions: jax.Array, block_mask: jax.Array | None = None,
-              defer_writes: bool = False) -> tuple[jax.Array, KVCache]:
+              defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """``(h f32[B,S,H], cache)``: the decoder over ``tokens i32[B,S]`` (token j + 1 of input j) and
     ``inputs f32[B,S,H]`` (projected features or fed-back outputs) at slots ``cache.lengths + s``;
-    deferred (a dynamic tree's fed nodes under ``block_mask``): the cache is read, returned unchanged."""
+    deferred (a dynamic tree's fed nodes under ``block_mask``): the cache is read, returned unchanged;
+    ``visible bool[B,S,capacity]``: which slots each input sees (the training-time test, `distill.kinds`)."""
     embeds = params["embed"][tokens] if cfg.own_embedding else target.embed(target_params, tokens)
     cos, sin = rope_tables(positions, cfg.layer.head_dim, cfg.layer.rope_theta, cfg.layer.rope_scaling)
     first = cache.replace(k=cache.k[:1], v=cache.v[:1])
     h, first = _first_layer(cfg, params, embeds.astype(jnp.float32), inputs, first, cos, sin, block_mask,
-                            defer_writes)
+                            defer_writes, visible)
     if cfg.rest is None:
         return h, (cache if defer_writes else first)
     rest = cache.replace(k=cache.k[1:], v=cache.v[1:])
-    h, _, rest = run_layers(cfg.rest, params["rest"], h, rest, positions, block_mask, defer_writes=defer_writes)
+    h, _, rest = run_layers(cfg.rest, params["rest"], h, rest, positions, block_mask, defer_writes=defer_writes,
+                            visible=visible)
     return h, (cache if defer_writes else cache.replace(k=first.k + rest.k, v=first.v + rest.v))
 
 
