@@ -212,10 +212,11 @@ def bench_batch(setup: Setup, chunk: list[dict], repeats: int) -> dict:
         if cfg.sampling.temperature == 0 else (None, [None] * len(chunk))
     )
     row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
-    params = target.model.params()
+    plain_sum = logprob_sum(target.config, target.model.params(), prompts, plain.tokens)
+    spec_sum = plain_sum if spec.tokens == plain.tokens else logprob_sum(
+        target.config, target.model.params(), prompts, spec.tokens)  # equal outputs: one teacher-forced pass
     row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens,  # for replays
-               logprob_sum={g: logprob_sum(target.config, params, prompts, r.tokens) for g, r in
-                            (("plain", plain), ("spec", spec))})
+               logprob_sum={"plain": plain_sum, "spec": spec_sum})
     return row
 
 
