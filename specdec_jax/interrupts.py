@@ -16,6 +16,14 @@ the watcher prints the line itself and ends the process at once (`os._exit`):
 every report, log line, cache and checkpoint is written to a temporary name and
 renamed, so nothing half-written is left under a name a later run trusts.
 
+A KeyboardInterrupt raised while Python runs a garbage-collector callback, a
+`__del__` or a weakref callback (jax registers one, `_xla_gc_callback`) cannot
+propagate: Python prints "Exception ignored in ..." and goes on. `install`
+replaces `sys.unraisablehook` so that such an interrupt is dropped silently and
+delivered again (`_thread.interrupt_main`, from a timer thread REDELIVERY_DELAY_S
+later, once the hook and the callback have returned); the watcher does not count the wakeup byte of that second delivery as a second
+signal.
+
 Inside `deferred()` a first signal is recorded but its KeyboardInterrupt waits
 for the end of the block: orbax logs an interrupt raised inside its checkpoint
 finalize as a failure of its own, traceback and all.
@@ -32,22 +40,27 @@ a computation dispatched and still running.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
 GRACE_S = 5.0
+REDELIVERY_DELAY_S = 0.05
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _received: list[int] = []  # the signal that stopped the run
 _finished = threading.Event()  # the main thread has printed the line: the waiter must not
 _kept: list[Callable[[], str]] = [lambda: "nothing"]  # what a stop leaves behind, for the one line
 _deferring: list[bool] = []  # one entry per open `deferred()` block
+_redelivering: list[bool] = []  # one entry per swallowed interrupt sent again, until its handler runs
+_redelivery_bytes: list[bool] = []  # one entry per swallowed interrupt sent again, until the watcher reads its byte
 
 
 def keep(describe: Callable[[], str]) -> None:
@@ -113,17 +126,47 @@ def install(command: str) -> None:
     def handler(signum, frame):
         if not _received:  # the first signal stops the main thread; the watcher handles any later one
             _received.append(signum)
-            if not _deferring:
-                raise KeyboardInterrupt
+        elif _redelivering:
+            _redelivering.pop()
+        else:
+            return
+        if not _deferring:
+            raise KeyboardInterrupt
 
     for signum in SIGNALS:
         signal.signal(signum, handler)
 
+    default_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt) and _received and not _finished.is_set():
+            _redelivery_bytes.append(True)
+            _redelivering.append(True)
+            # from another thread, a moment later: sent from here, it would land in this hook and be ignored too
+            resend = threading.Timer(REDELIVERY_DELAY_S, _thread.interrupt_main, (_received[0],))
+            resend.daemon = True
+            resend.start()
+        else:
+            default_hook(info)
+
+    sys.unraisablehook = unraisable
+
     def watch() -> None:
         first = os.read(read_fd, 1)[0]
-        second = select.select([read_fd], [], [], GRACE_S)[0]
-        if not second and _finished.is_set():
-            os.read(read_fd, 1)  # the main thread is stopping; a second signal still ends it at once
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            grace_over = time.monotonic() >= deadline
+            # past the grace, a main thread that printed its line is stopping: only a second signal ends it now
+            timeout = None if grace_over and _finished.is_set() else max(0.0, deadline - time.monotonic())
+            if not select.select([read_fd], [], [], timeout)[0]:
+                if _finished.is_set():
+                    continue
+                break
+            os.read(read_fd, 1)
+            if _redelivery_bytes:  # the wakeup byte of a redelivery, not a second signal
+                _redelivery_bytes.pop()
+                continue
+            break
         if not _received:
             _received.append(first)
         if not _finished.is_set():

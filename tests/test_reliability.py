@@ -186,6 +186,31 @@ def test_a_stopped_command_ends_without_python_finalization():
     assert child.stderr == "specdec-jax: theory stopped by SIGTERM; kept: nothing\n"
 
 
+def test_a_signal_that_lands_in_a_garbage_collector_callback_still_stops_the_main_thread():
+    """jax runs a gc callback; a KeyboardInterrupt raised inside one cannot propagate (Python prints
+    "Exception ignored in ..."). The interrupt is delivered again to the main thread: one line, exit 143,
+    through the main thread's handler (its stdout line), not the watcher's grace timeout."""
+    script = ("import gc, os, signal, sys\n"
+              "from specdec_jax import interrupts\n"
+              "interrupts.install('generate')\n"
+              "def in_gc(phase, info):\n"
+              "    if phase == 'start' and not interrupts.was_stopped():\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        sum(range(10**5))\n"
+              "gc.callbacks.append(in_gc)\n"
+              "try:\n"
+              "    gc.collect()\n"
+              "    while True:\n"
+              "        sum(range(1000))\n"
+              "except KeyboardInterrupt:\n"
+              "    print('main thread stopped', flush=True)\n"
+              "    interrupts.exit_now(interrupts.stopped('generate'))\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 143, child.stderr
+    assert child.stdout == "main thread stopped\n"
+    assert child.stderr == "specdec-jax: generate stopped by SIGTERM; kept: nothing\n"
+
+
 def test_a_signal_inside_a_deferred_block_stops_at_its_end():
     """A SIGINT inside `interrupts.deferred()` (orbax's checkpoint finalize) lets the block finish, then
     stops with the one line: an interrupt raised inside orbax's join was logged with a traceback."""
