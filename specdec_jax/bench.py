@@ -189,7 +189,8 @@ def bench_batch(setup: Setup, chunk: list[dict], repeats: int) -> dict:
     cost model on the same shapes and, under greedy decoding, the outputs compared; its report row."""
     cfg, target, gamma = setup.cfg, setup.target, setup.cfg.effective_gamma  # gamma: a tree's node count
     prompts = [encode(target.tokenizer, r["prompt"], cfg.inputs.raw) for r in chunk]
-    capacity = engine.default_capacity(max(map(len, prompts)), cfg.inputs.max_new_tokens, cfg.widest_gamma)
+    capacity = engine.default_capacity(max(map(len, prompts)), cfg.inputs.max_new_tokens,
+                                      engine.widest_gamma(setup.drafter, gamma))
 
     def run(g, max_new):
         return engine.generate(
@@ -226,7 +227,7 @@ def time_peer(hf, setup: Setup, row: dict, repeats: int) -> dict:
     cfg, mode = setup.cfg, peer_mode(setup.cfg)
     eos = None if cfg.inputs.ignore_eos else setup.target.tokenizer.eos_id  # its own EOS only, not --stop-id
     timed = {}
-    for name, lookup in (("greedy", 0), (mode, cfg.widest_gamma if mode == "lookup" else 0)):
+    for name, lookup in (("greedy", 0), (mode, engine.widest_gamma(setup.drafter, cfg.effective_gamma) if mode == "lookup" else 0)):
         result = hf.time_decode(row["prompt_ids"][0], cfg.inputs.max_new_tokens, eos, lookup, repeats,
                                 name == "assisted")
         tokens = result.pop("tokens")

@@ -26,6 +26,8 @@ from specdec_jax.drafters.table import PLAIN, drafters, names_where
 FLAG_HELP = {  # the drafters a setting is for are added from the table of drafters (`flag_help`)
     "model": "registry name or path (.gguf file / Hugging Face dir); default smollm2-135m",
     "draft_model": "a draft model's name or path, or a trained head folder",
+    "dflash_block": "the block a DFlash pass drafts: t0 and B - 1 masks, at most the drafter's trained size "
+                    "(0 = that size); --gamma auto verifies up to B - 1 of them",
     "draft_vocab": "the draft's logits over its first N vocabulary ids (BPE merge order, so the most frequent) and "
                    "its stop ids only, a cheaper head; 0 = its whole vocabulary",
     "dtype": "weights, activations and KV cache of the target and draft model: float32 or bfloat16 (matrix "

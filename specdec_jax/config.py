@@ -29,7 +29,6 @@ import yaml
 
 from specdec_jax.drafters.table import PLAIN, drafter_names, drafter_spec, drafters, names_where
 from specdec_jax.engine.request import AUTO, LOGPROBS_MODES, MAX_LOGPROBS, MAX_NEW_TOKENS
-from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models.llama import DTYPES
 from specdec_jax.rng import SEED_LIMIT
 from specdec_jax.sampling import SamplingParams
@@ -125,13 +124,15 @@ class DrafterSettings:
     ngram_max: int = 3
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
     datastore: tuple[str, ...] = ()  # sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder, outputs
+    dflash_block: int = 0  # a DFlash drafter's block size B (t0 and B - 1 masks); 0: the one it was trained with
 
     def __post_init__(self):
         check_types(self)
         _check(self, (("oracle_alpha", 0.0 <= self.oracle_alpha <= 1.0, "in [0, 1]"),
                       ("ngram_min", self.ngram_min >= 1, "an int >= 1"),
                       ("ngram_max", self.ngram_max >= self.ngram_min, "an int >= ngram_min"),
-                      ("draft_vocab", self.draft_vocab >= 0, "an int >= 0")))
+                      ("draft_vocab", self.draft_vocab >= 0, "an int >= 0"),
+                      ("dflash_block", self.dflash_block == 0 or self.dflash_block >= 2, "0 or an int >= 2")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,13 +234,6 @@ class RunConfig:
         if self.gamma != 0 and self.is_tree:
             return AUTO if self.tree.nodes == AUTO else self.tree_shape.nodes
         return self.gamma
-
-    @property
-    def widest_gamma(self) -> int:
-        """The most drafts (tree nodes) a round can verify (sizes the KV capacity)."""
-        if self.gamma != 0 and self.is_tree:
-            return self.tree_shape.nodes
-        return max(AUTO_GAMMAS) if self.gamma == AUTO else self.gamma
 
     def to_dict(self) -> dict[str, Any]:
         """The flat keys and their values (lists for tuples; the logit bias a mapping {id: bias}, a ban as

@@ -31,7 +31,7 @@ from specdec_jax.drafters.heads import is_head_dir
 from specdec_jax.cache import cache_dir
 from specdec_jax.config import KEYS, RunConfig
 from specdec_jax.data import PAIR_PROMPTS
-from specdec_jax.engine import default_capacity, generate
+from specdec_jax.engine import default_capacity, generate, widest_gamma
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter, encode, format_rate, one_device_only, prompt_records, stop_ids
 
@@ -77,7 +77,8 @@ def demo(cfg: RunConfig, repeats: int | None = None) -> dict:
     for record in tqdm(records, desc=f"prompts (compile, plain, {', '.join(rows)})", unit="prompt",
                        delay=0.5):  # no bar before an error in the first prompt
         ids = encode(tok, record["prompt"], cfg.inputs.raw)
-        capacity = default_capacity(len(ids), cfg.inputs.max_new_tokens, cfg.widest_gamma)
+        capacity = default_capacity(len(ids), cfg.inputs.max_new_tokens,
+                                    max(widest_gamma(d, c.effective_gamma) for c, d in zip(configs, drafters)))
 
         def run(drafter, max_new):
             return generate(

@@ -308,6 +308,22 @@ def test_tree_sizes_are_node_counts_up_to_the_tree():
     assert engine.auto_shapes(H.ngram_trie()) == ((0, 1, 2, 4, 8, 12), True)
 
 
+def test_a_drafter_with_a_bound_on_its_drafts_is_offered_chains_up_to_it():
+    """A DFlash block of B tokens holds B - 1 drafts from one pass: auto chooses among the usual lengths, the
+    powers of two and B - 1, none above it; a fixed gamma above it is refused, and the KV capacity of a run
+    is sized for the widest of them."""
+    assert shape.chain_gammas(3) == (0, 1, 2, 3)
+    assert shape.chain_gammas(7) == (0, 1, 2, 3, 4, 7)
+    assert shape.chain_gammas(15) == (0, 1, 2, 3, 4, 8, 15)
+    assert shape.chain_gammas(None) == engine.AUTO_GAMMAS
+    bounded = type("Bounded", (), {"name": "block", "tree": None, "max_drafts": 7})()
+    assert engine.auto_shapes(bounded) == ((0, 1, 2, 3, 4, 7), False)
+    assert engine.widest_gamma(bounded, engine.AUTO) == engine.widest_gamma(bounded, None) == 7
+    assert engine.widest_gamma(bounded, 5) == 5 and engine.widest_gamma(None, engine.AUTO) == 0
+    with pytest.raises(ValueError, match="proposes at most 7 drafts a round; gamma = 8"):
+        engine.widest_gamma(bounded, 8)
+
+
 def test_tree_expected_tokens_sum_the_node_marginals_and_the_choice_follows_them():
     p = jnp.array([[0.9, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1]])
     got = np.asarray(shape.expected_tokens(p, jnp.array([7]), TREE_SIZES, tree=True))

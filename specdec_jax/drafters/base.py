@@ -137,6 +137,7 @@ class DrafterBase:
 
     reads_hidden: tuple[int, ...] = ()
     tree: TreeShape | None = None
+    max_drafts: int | None = None  # the most drafts one proposal holds (a DFlash block's B - 1); None: no bound
     without_replacement: bool = False
 
     def check(self, target: TargetModel, mesh) -> None:

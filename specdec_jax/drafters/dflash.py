@@ -16,7 +16,9 @@ leaves (``room + 2``) are hidden, as the reference cuts its last blocks. The fin
 block position i goes through the target's LM head (times ``logit_scale``, soft-capped when set) and
 gives the logits of draft i, i = 1 .. B - 1. `propose(gamma)` draws min(gamma, B - 1) drafts from those
 logits with `chain.draw_chain` (each position's processed law is q; greedy rows take the argmax), so one
-pass costs the same whatever gamma is. Chains only.
+pass costs the same whatever gamma is; gamma is at most B - 1 (`max_drafts`: `--gamma auto` chooses among
+lengths up to it, `engine.shape.chain_gammas`). A block smaller than the trained one (`with_block`,
+`--dflash-block`) is the same pass over fewer masks. Chains only.
 
 Weights (H the draft's width, equal to the target's; Ht the target's, m target states; draft layers in
 `models.llama`'s stacked layout, q/k norms included)::
@@ -144,6 +146,19 @@ class DFlashDrafter(DrafterBase):
     def reads_hidden(self) -> tuple[int, ...]:
         return self.config.feature_layers
 
+    @property
+    def max_drafts(self) -> int:
+        """B - 1: the masks of one block."""
+        return self.config.block_size - 1
+
+    def with_block(self, block: int) -> DFlashDrafter:
+        """This drafter drafting blocks of ``block`` tokens (2 .. its trained size); a ValueError naming
+        --dflash-block otherwise."""
+        if not 2 <= block <= self.config.block_size:
+            raise ValueError(f"--dflash-block {block}: a block holds t0 and at least one mask (2) and at most the "
+                             f"{self.config.block_size} tokens the drafter was trained with")
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, block_size=block))
+
     def check(self, target: TargetModel, mesh) -> None:
         cfg = self.config
         sizes = (cfg.target_hidden_size, cfg.layer.hidden_size, cfg.layer.vocab_size)
@@ -182,19 +197,11 @@ class DFlashDrafter(DrafterBase):
         logits = block_logits(cfg, params, ctx.target, ctx.target_params, tokens,
                               (n - 1)[:, None] + jnp.arange(block)[None, :], cache, context,
                               jnp.broadcast_to(shown, (n.shape[0], block, block)))[:, 1:]
-        drafts = min(gamma, block - 1)
+        if gamma > block - 1:
+            raise ValueError(f"a DFlash block of {block} tokens holds {block - 1} drafts; gamma {gamma} asks for more")
 
         def following(carry, token, index):  # the logits of draft index + 2: already computed
             return jax.lax.dynamic_index_in_dim(carry, index + 1, axis=1, keepdims=False), carry
 
-        proposal, _ = draw_chain(ctx, drafts, logits[:, 0], following, logits, cfg.layer.vocab_size)
-        return _padded(proposal, gamma), DFlashState(cache)
-
-
-def _padded(proposal, gamma: int):
-    """The proposal widened to ``gamma`` columns (padding past num_draft: token 0, the last law)."""
-    extra = gamma - proposal.drafts.shape[1]
-    if extra == 0:
-        return proposal
-    probs = None if proposal.probs is None else jnp.pad(proposal.probs, ((0, 0), (0, extra), (0, 0)), mode="edge")
-    return proposal._replace(drafts=jnp.pad(proposal.drafts, ((0, 0), (0, extra))), probs=probs)
+        proposal, _ = draw_chain(ctx, gamma, logits[:, 0], following, logits, cfg.layer.vocab_size)
+        return proposal, DFlashState(cache)

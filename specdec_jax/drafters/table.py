@@ -154,10 +154,11 @@ def _head(cfg, target, mesh):
 
 
 def _dflash(cfg, target, mesh):
-    """A z-lab or speculators DFlash folder (`drafters.published`); chains only."""
+    """A z-lab or speculators DFlash folder (`drafters.published`), at ``--dflash-block`` when set; chains only."""
     from specdec_jax.drafters.published import load_drafter_folder
 
-    return load_drafter_folder(cfg.draft_model, kind="dflash", target=target)
+    drafter = load_drafter_folder(cfg.draft_model, kind="dflash", target=target)
+    return drafter.with_block(cfg.drafting.dflash_block) if cfg.drafting.dflash_block else drafter
 
 
 register_drafter("ngram", _ngram, "prompt lookup, the continuation of the latest earlier occurrence of the "
@@ -174,5 +175,5 @@ register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a
 register_drafter("medusa", _head, "Medusa heads on the target's last hidden state (a trained head folder, or "
                  "FasterDecoding's Medusa-1 heads: --draft-model)", needs=("draft_model",), trees=True,
                  settings=("tree_choices",), trained_kind="medusa")
-register_drafter("dflash", _dflash, "a DFlash block drafter on the target's hidden states, one pass per block of its "
-                 "trained size (a z-lab or speculators DFlash folder: --draft-model)", needs=("draft_model",))
+register_drafter("dflash", _dflash, "a DFlash block drafter on the target's hidden states, one pass per block (a z-lab or "
+                 "speculators DFlash folder: --draft-model)", needs=("draft_model",), settings=("dflash_block",))

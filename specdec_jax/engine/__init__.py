@@ -25,7 +25,7 @@ about a second (`generation.run_chunks`): between chunks only each row's
 from specdec_jax.engine.batching import Prepared
 from specdec_jax.engine.calibration import calibrated_costs, policy_from_costs
 from specdec_jax.engine.generation import generate, prepare
-from specdec_jax.engine.request import AUTO, GenerateRequest, default_capacity
+from specdec_jax.engine.request import AUTO, GenerateRequest, default_capacity, widest_gamma
 from specdec_jax.engine.round import decode_round, draft_room, draft_step, run_loop, verify_step
 from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy, auto_shapes, tree_sizes
 from specdec_jax.engine.state import EOS, LENGTH, STOP_REASONS, DecodeState, EngineParams, EngineSpec, GenerationResult
@@ -34,5 +34,5 @@ __all__ = [
     "AUTO", "AUTO_GAMMAS", "EOS", "LENGTH", "STOP_REASONS", "DecodeState", "EngineParams", "EngineSpec",
     "GenerateRequest", "GenerationResult", "Prepared", "ShapePolicy", "auto_shapes", "calibrated_costs",
     "decode_round", "default_capacity", "draft_room", "draft_step", "generate", "policy_from_costs", "prepare",
-    "run_loop", "tree_sizes", "verify_step",
+    "run_loop", "tree_sizes", "verify_step", "widest_gamma",
 ]

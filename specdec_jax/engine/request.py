@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specdec_jax.drafters.base import Drafter
-from specdec_jax.engine.shape import AUTO_GAMMAS, ShapePolicy
+from specdec_jax.engine.shape import ShapePolicy, auto_shapes
 from specdec_jax.grammar import DeviceGrammar, finished, stack_grammars
 from specdec_jax.sampling import RowSampling, SamplingParams
 from specdec_jax.target import TargetModel, resolve_target
@@ -43,7 +43,7 @@ class GenerateRequest:
       drafter: any object of the drafter protocol (`specdec_jax.drafters.base`), or None
         for plain decoding.
       gamma: drafts per round: an int (ablations; 0 is plain decoding), or "auto": each
-        round chooses among `AUTO_GAMMAS` (a tree drafter: `tree_sizes` of its nodes) from
+        round chooses among `auto_shapes` (`AUTO_GAMMAS`; a tree drafter: `tree_sizes` of its nodes) from
         this device's measured costs and each row's acceptance (`engine.shape`). None: "auto"
         for a chain drafter, a tree drafter's node count, 0 without a drafter.
       policy: a `ShapePolicy` to decide with instead of the calibrated one (implies "auto").
@@ -133,10 +133,14 @@ class GenerateRequest:
 
 def resolve_gamma(drafter: Drafter | None, gamma, policy: ShapePolicy | None) -> tuple[Any, bool]:
     """``(G, auto)``: whether a shape policy chooses each round's gamma, and G, the most drafts a round
-    verifies: under a policy its widest shape (before calibration `AUTO_GAMMAS`' or a tree's node count);
-    else a fixed gamma, a tree drafter's node count (``gamma`` None or equal to it; 0 is plain decoding),
-    or 0 without a drafter. A fixed gamma that is not an int >= 0 is returned for `_check_settings`."""
-    tree = getattr(drafter, "tree", None)
+    verifies: under a policy its widest shape (before calibration the widest of `auto_shapes`);
+    else a fixed gamma (at most the drafter's ``max_drafts``), a tree drafter's node count (``gamma`` None
+    or equal to it; 0 is plain decoding), or 0 without a drafter. A fixed gamma that is not an int >= 0 is
+    returned for `_check_settings`."""
+    tree, most = getattr(drafter, "tree", None), getattr(drafter, "max_drafts", None)
+    if most is not None and isinstance(gamma, int) and gamma > most:
+        raise ValueError(f"the {drafter.name} drafter proposes at most {most} drafts a round; gamma = {gamma} "
+                         f"asks for more")
     if tree is not None and policy is None and gamma != AUTO:
         if gamma not in (None, 0, tree.nodes):
             raise ValueError(f"the {drafter.name} drafter proposes a tree of {tree.nodes} nodes; gamma = {gamma} "
@@ -148,7 +152,13 @@ def resolve_gamma(drafter: Drafter | None, gamma, policy: ShapePolicy | None) ->
         raise ValueError("gamma 'auto' (a shape policy) needs a drafter")
     if gamma not in (None, AUTO):
         raise ValueError(f"gamma = {gamma!r} and a shape policy exclude each other: pass one of them")
-    return (policy.max_gamma if policy is not None else max(AUTO_GAMMAS) if tree is None else tree.nodes), True
+    return (policy.max_gamma if policy is not None else max(auto_shapes(drafter)[0])), True
+
+
+def widest_gamma(drafter: Drafter | None, gamma) -> int:
+    """The most drafts (tree nodes) a round of ``drafter`` at ``gamma`` (an int, "auto" or None, as
+    `GenerateRequest` takes them) can verify: what a KV capacity shared by several runs is sized for."""
+    return 0 if drafter is None else resolve_gamma(drafter, gamma, None)[0]
 
 
 def _check_prompts(model: TargetModel, prompts: tuple[tuple[int, ...], ...]) -> None:

@@ -80,11 +80,23 @@ def tree_sizes(nodes: int) -> tuple[int, ...]:
     return tuple(sorted({0, nodes, *(n for n in AUTO_TREE_SIZES if n < nodes)}))
 
 
+def chain_gammas(max_drafts: int | None) -> tuple[int, ...]:
+    """The chain lengths gamma "auto" chooses among: `AUTO_GAMMAS`; for a drafter whose proposal holds at most
+    ``max_drafts`` (a DFlash block: B - 1 drafts from one pass, whatever their number), those up to it, the
+    powers of two below it and ``max_drafts`` itself (B = 16: 0, 1, 2, 3, 4, 8, 15)."""
+    if max_drafts is None:
+        return AUTO_GAMMAS
+    powers = {1 << k for k in range(max_drafts.bit_length())}
+    return tuple(sorted({g for g in (*AUTO_GAMMAS, *powers) if g < max_drafts} | {max_drafts}))
+
+
 def auto_shapes(drafter) -> tuple[tuple[int, ...], bool]:
-    """``(gammas, tree)`` that gamma "auto" chooses among for ``drafter``: `AUTO_GAMMAS` for a chain,
-    `tree_sizes` of its node count for a tree drafter (tree True)."""
+    """``(gammas, tree)`` that gamma "auto" chooses among for ``drafter``: `chain_gammas` of its
+    ``max_drafts`` for a chain, `tree_sizes` of its node count for a tree drafter (tree True)."""
     shape = getattr(drafter, "tree", None)
-    return (AUTO_GAMMAS, False) if shape is None else (tree_sizes(shape.nodes), True)
+    if shape is None:
+        return chain_gammas(getattr(drafter, "max_drafts", None)), False
+    return tree_sizes(shape.nodes), True
 
 FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is treated as free
 # A chain's prior is low enough that a probe seldom widens a whole batch's pass and high enough that a batch of one
