@@ -1,11 +1,21 @@
 """A draft model with its own KV cache, and the oracle drafter built on it.
 
-Each round the drafter first feeds the 2-token window `[token at n-1, t0]` at
-slots n-1, n (n = committed tokens in the target cache), then gamma-1 single
-drafted tokens. The window rewrites slot n-1, which holds the previous round's
-last draft d_gamma when all drafts were accepted: that token was never fed to
-the drafter (the all-accepted trap of docs/design.md section 2). With a 1-token prompt
-(n = 0) the window starts at slot 0 and the logits of t0 are read at index 0.
+Each drafting round feeds a window of `WINDOW` tokens from the first slot its
+cache lacks up to t0 (at slot n, n + 1 = committed tokens), then gamma-1 single
+drafted tokens. After a drafting round the cache lacks at most slot n-1, which
+holds the previous round's last draft d_gamma when all drafts were accepted:
+that token was never fed to the drafter (the all-accepted trap of docs/design.md
+section 2); the window rewrites it. With a 1-token prompt (n = 0) the window
+starts at slot 0.
+
+A round that drafts nothing (gamma 0, the shape policy's plain round) does not
+run the draft: the cache falls behind by the round's token, and the next
+drafting round's window feeds what it missed. A window holds `WINDOW` tokens,
+so when the next round's would not reach its t0, the plain round catches up
+instead: one pass over the window, without the output head. The cache's
+``lengths`` is the first slot it lacks, or one past the drafts it fed (the next
+round's window then starts at its t0's slot - 1). The logits of t0 are read
+from the window's final-norm state at t0 alone.
 
 A draft with a reduced output vocabulary (`LlamaConfig.output_vocab_size`, the
 `vocab_map` weight) draws among its Vo ids and maps them to target ids; its law
@@ -29,15 +39,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
-from specdec_jax.drafters.chain import draw_chain, drafter_sampling
+from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
-from specdec_jax.models.llama import LlamaConfig, apply, forward
+from specdec_jax.models.llama import LlamaConfig, apply, forward, lm_head
 from specdec_jax.sharding import check_model_axis
+from specdec_jax.target import FINAL_NORM
 from specdec_jax.token_tree import TreeShape
+
+# Tokens a drafting round's window feeds: t0 and up to WINDOW - 1 it missed (module docstring). On a CPU a pass
+# of up to 4 tokens costs about what one token's does (docs/design.md section 8).
+WINDOW = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,23 +87,41 @@ class ModelDrafter(DrafterBase):
     def init(self, params, prefill: PrefillContext):
         cache = self.config.init_cache(prefill.prompts.shape[0], prefill.capacity)
         _, cache = forward(self.config, params, prefill.prompts, cache, compute_logits=False)
-        return cache
+        return cache.with_lengths(prefill.prompt_lens)
 
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
         if self.tree is not None:
             return self._dynamic_tree(params, cache, ctx, gamma)
         n = ctx.num_tokens - 1  # slot of t0
-        start = jnp.maximum(n - 1, 0)
-        window = jnp.take_along_axis(ctx.tokens, start[:, None] + jnp.arange(2)[None, :], axis=1)
-        logits, cache = forward(self.config, params, window, cache.with_lengths(start))
-        logits = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo]
+        start = jnp.minimum(cache.lengths, jnp.maximum(n - 1, 0))  # the first slot the cache lacks
+        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + jnp.arange(WINDOW)[None, :],
+                                                             ctx.tokens.shape[1] - 1), axis=1)
+        if gamma == 0:
+            return empty_proposal(n.shape[0]), self._fall_behind(params, cache.with_lengths(start), window, n)
+        positions = start[:, None] + jnp.arange(WINDOW)[None, :]
+        _, normed, cache = apply(self.config, params, window, cache.with_lengths(start), positions,
+                                 hidden_layers=(FINAL_NORM,), compute_logits=False)
+        at_t0 = jnp.take_along_axis(normed[0], (n - start)[:, None, None], axis=1)  # f32[B,1,H]
+        logits = lm_head(self.config, params, at_t0)[:, 0]  # f32[B,Vo]
+        cache = cache.with_lengths(n + 1)  # the window's slots past t0 held no committed token
 
         def feed(cache, token, index):  # draft index + 1 at slot n + 1 + index
             logits, cache = forward(self.config, params, token[:, None], cache.with_lengths(n + 1 + index))
             return logits[:, 0], cache
 
-        return draw_chain(ctx, gamma, logits, feed, cache, self.config.vocab_size, params.get("vocab_map"),
-                          self.corrupt_alpha)
+        proposal, cache = draw_chain(ctx, gamma, logits, feed, cache, self.config.vocab_size, params.get("vocab_map"),
+                                     self.corrupt_alpha)
+        return proposal, cache.with_lengths(n + max(gamma, 1))  # t0 and the drafts fed (all but the last)
+
+    def _fall_behind(self, params, cache: KVCache, window: jax.Array, n: jax.Array) -> KVCache:
+        """A round without drafts: the cache (``lengths``: its first missing slot) is left behind, unless the
+        next round's window (from that slot to t0 at n + 1) would not hold WINDOW tokens; then every row
+        catches up on ``window`` (tokens from its first missing slot), no output head (module docstring)."""
+        def catch_up(cache):
+            _, cache = forward(self.config, params, window, cache, compute_logits=False)
+            return cache.with_lengths(n + 1)
+
+        return jax.lax.cond(jnp.any(n + 2 - cache.lengths > WINDOW), catch_up, lambda cache: cache, cache)
 
 
     def _dynamic_tree(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVCache]:
