@@ -9,6 +9,7 @@ experiments/results/qwen_pair (`--out`):
     python experiments/qwen_pair.py peer         # transformers greedy and assisted generation (after speed)
     python experiments/qwen_pair.py variants     # the coding prompts at gamma 3: float32, --draft-vocab, bfloat16
     python experiments/qwen_pair.py retrieval    # a code datastore beside the 0.5B, and the two combined (after speed)
+    python experiments/qwen_pair.py vocab        # greedy tokens per round at gamma 3 per --draft-vocab (after speed)
     python experiments/qwen_pair.py tables       # redraws tables and figures from the saved JSON
 
 Prompts: the held-out split (the 5 highest question ids of each category, never trained on), the
@@ -58,9 +59,10 @@ def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
     return chosen
 
 
-def draft_matches(rows) -> list[list[bool]]:
+def draft_matches(rows, draft_vocab: int = 0) -> list[list[bool]]:
     """Per row (id, category, prompt, output): whether the 0.5B's greedy token equals each output token,
-    given the output before it (one teacher-forced pass)."""
+    given the output before it (one teacher-forced pass); ``draft_vocab``: the draft's logits over its first
+    ids and its stop ids only (`--draft-vocab`; 0: all)."""
     import jax
     import jax.numpy as jnp
 
@@ -68,6 +70,8 @@ def draft_matches(rows) -> list[list[bool]]:
     from specdec_jax.models.llama import forward
 
     draft = load_model(DRAFT)
+    draft = draft.with_output_vocab(draft_vocab) if draft_vocab else draft
+    ids = draft.model.params().get("vocab_map")
     width = max(len(p) + len(o) for _, _, p, o in rows)
     step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
                                                              draft.config.init_cache(1, width))[0], -1))
@@ -76,6 +80,7 @@ def draft_matches(rows) -> list[list[bool]]:
         seq = np.zeros((1, width), np.int32)
         seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
         guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
+        guess = guess if ids is None else np.asarray(ids)[guess]
         found.append([bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)])
     return found
 
@@ -174,6 +179,36 @@ def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
     fig.savefig(out / "acceptance.png", dpi=120)
     plt.close(fig)
     return table
+
+
+DRAFT_VOCABS = (0, 65536, 32768, 16384, 8192)
+
+
+def run_vocab(args) -> dict:
+    """Greedy tokens per round at gamma 3, replayed from bench's plain outputs (speed.json), with the draft's
+    logits over each of DRAFT_VOCABS first ids (0: all), per row."""
+    rows = speed_rows(args.out)
+    replays = []
+    for vocab in DRAFT_VOCABS:
+        for (qid, category, _, output), matches in zip(rows, draft_matches(rows, vocab)):
+            rounds, _, _ = replay_greedy(matches, 3)
+            replays.append({"draft_vocab": vocab, "id": qid, "category": category, "rounds": rounds,
+                            "emitted_tokens": len(output), "agreement": sum(matches) / len(matches)})
+    return {"target": TARGET, "draft": DRAFT, "gamma": 3, "replayed": replays}
+
+
+def vocab_table(payload: dict) -> str:
+    """Tokens per round at gamma 3 per category (columns: the draft vocabularies)."""
+    replayed = payload["replayed"]
+    categories = [*dict.fromkeys(r["category"] for r in replayed), "overall"]
+    vocabs = list(dict.fromkeys(r["draft_vocab"] for r in replayed))
+
+    def rate(category, vocab):
+        rows = [r for r in replayed if r["draft_vocab"] == vocab and category in ("overall", r["category"])]
+        return sum(r["emitted_tokens"] for r in rows) / max(sum(r["rounds"] for r in rows), 1)
+
+    return markdown_table(["category"] + [f"draft vocab {v or 'all'}" for v in vocabs],
+                          [[c, *(rate(c, v) for v in vocabs)] for c in categories])
 
 
 def run_speed(args) -> dict:
@@ -336,7 +371,7 @@ def retrieval_table(payload: dict, speed: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "variants", "retrieval", "tables"])
+    parser.add_argument("stage", choices=["acceptance", "speed", "peer", "variants", "retrieval", "vocab", "tables"])
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--extra-coding", type=int, default=3, help="more held-out coding questions")
     parser.add_argument("--peer-prompts", type=int, default=3, help="coding questions timed beside transformers")
@@ -364,6 +399,12 @@ def main(argv=None) -> int:
         run_variants(args)
     elif args.stage == "retrieval":
         write_json(args.out / "retrieval.json", run_retrieval(args))
+    elif args.stage == "vocab":
+        write_json(args.out / "vocab.json", run_vocab(args))
+    if (args.out / "vocab.json").is_file():
+        table = vocab_table(json.loads((args.out / "vocab.json").read_text()))
+        (args.out / "vocab_table.md").write_text(table)
+        print(table)
     if (args.out / "retrieval.json").is_file():
         table = retrieval_table(json.loads((args.out / "retrieval.json").read_text()),
                                 json.loads((args.out / "speed.json").read_text()))

@@ -5,12 +5,16 @@ experiments/README.md; writes results.json and table.md to experiments/results/r
 (`--out`).
 
     python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
+    python experiments/round_overhead.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
+        --batches 1 --capacities 512 --out experiments/results/round_overhead_pair
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
 gamma 0 it should cost what plain decoding (gamma 0, no policy) costs. For each
 batch size and KV capacity this times, on SmolLM2-135M with the n-gram drafter
-and rows of 64 random tokens, rounds in a loop as the decoding loop runs them
+(or `--model` with the draft model `--draft-model`, which skips the rounds that
+draft nothing and catches up every few of them: `drafters.model`) and rows of
+64 random tokens, rounds in a loop as the decoding loop runs them
 (`engine.calibration.time_rounds`' method: 8 rounds per timed call, the state
 donated): plain rounds, and auto rounds forced to draft and verify nothing
 (`DecodeState.forced_shape` (0, 0)), and auto rounds forced to the widest shape.
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import RESULTS, save
 
-from specdec_jax.drafters import NgramDrafter
+from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import prepare
 from specdec_jax.engine.round import decode_round
 from specdec_jax.engine.shape import ShapePolicy
@@ -65,6 +69,7 @@ def time_programs(programs: dict, repeats: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--draft-model", default=None, help="a draft model instead of the n-gram drafter")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
@@ -72,9 +77,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     target = load_model(args.model)
-    drafter = NgramDrafter()
+    if args.draft_model is None:
+        drafter, draft_cost = NgramDrafter(), 0.0  # a free drafter: the policy drafts G every round
+    else:
+        draft = load_model(args.draft_model)
+        drafter, draft_cost = ModelDrafter(draft.config, draft.model.params()), 1.0
     gammas = AUTO_GAMMAS
-    policy = ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) * len(gammas))
+    policy = ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (draft_cost,) * (len(gammas) - 1))
     widest = len(gammas) - 1
     records = []
     for capacity in args.capacities:
