@@ -41,11 +41,16 @@ from specdec_jax.config import RunConfig, run_config
 from specdec_jax.distill.config import train_config
 from specdec_jax.distill.kinds import kind_of
 from specdec_jax.distill.train import train_draft
-from specdec_jax.drafters.heads import is_head_dir
+from specdec_jax.drafters.published import head_kind
 from specdec_jax.engine import AUTO
 from specdec_jax.cache import cache_dir
 
-DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")
+# Setups benched: name -> (--drafter, the HEAD_CONFIGS head it drafts with or None, further run settings).
+SETUPS = {"ngram": ("ngram", None, {}), "draft-model": ("draft-model", None, {}), "medusa": ("medusa", "medusa", {}),
+          "eagle": ("eagle", "eagle", {}), "eagle3": ("eagle", "eagle3", {}),
+          "eagle3-tree": ("eagle", "eagle3", {"tree_nodes": AUTO, "tree_depth": 4, "tree_topk": 4})}
+DRAFTERS = tuple(SETUPS)
+DEFAULT_DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")  # the EAGLE-3 setups when asked for
 
 
 def gamma_of(text: str) -> int | str:
@@ -57,7 +62,7 @@ def trained_head(kind: str, config: pathlib.Path) -> tuple[pathlib.Path, dict, f
     tc = train_config(config)
     run = run_folder(kind)
     tick = time.perf_counter()
-    if not is_head_dir(run / "head"):
+    if head_kind(run / "head") is None:
         resume = (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
         train_draft(tc, run, resume=resume)
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
@@ -104,7 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--drafters", nargs="+", default=None, choices=DRAFTERS,
-                        help="default: ngram, medusa, eagle, and draft-model when the cache holds one")
+                        help="default: ngram, medusa, eagle, and draft-model when the cache holds one; eagle3 and "
+                             "eagle3-tree (EAGLE-3's head, chains and --tree-nodes auto) when named")
     parser.add_argument("--sampled-drafters", nargs="+", default=None, metavar="DRAFTER",
                         help="drafters benched at the non-zero temperatures (default: the heads among --drafters)")
     parser.add_argument("--gamma", action="append", default=[], metavar="DRAFTER=G",
@@ -120,14 +126,15 @@ def main(argv=None) -> int:
         return rewrite_tables(args.out)
     gammas = dict.fromkeys(DRAFTERS, AUTO) | {k: gamma_of(v) for k, v in (g.split("=") for g in args.gamma)}
     if args.drafters is None:
-        args.drafters = [d for d in DRAFTERS if d != "draft-model" or standalone_draft()]
+        args.drafters = [d for d in DEFAULT_DRAFTERS if d != "draft-model" or standalone_draft()]
     if "draft-model" in args.drafters and not standalone_draft():
         parser.error(f"no standalone draft in {cache_dir() / STANDALONE_DRAFT / 'draft'}: "
                      "`python experiments/train_draft_recipe.py` trains one")
 
     tick = time.perf_counter()
     heads, heldout, train_s = {"draft-model": standalone_draft()}, {}, {}
-    for kind in sorted((d for d in args.drafters if d in HEAD_CONFIGS), key=list(HEAD_CONFIGS).index):
+    kinds = {SETUPS[d][1] for d in args.drafters} - {None}
+    for kind in sorted(kinds, key=list(HEAD_CONFIGS).index):
         if kind == "medusa":
             share_data(run_folder("eagle"), run_folder("medusa"))
         heads[kind], heldout[kind], train_s[kind] = trained_head(kind, pathlib.Path(HEAD_CONFIGS[kind]))
@@ -138,11 +145,12 @@ def main(argv=None) -> int:
     reports, summary = {}, {}
     with prompts_file(recipe_questions("heldout")) as prompts:
         for temperature in args.temperatures:
-            sampled = args.sampled_drafters or [d for d in args.drafters if d in HEAD_CONFIGS]
+            sampled = args.sampled_drafters or [d for d in args.drafters if SETUPS[d][1] is not None]
             for drafter in args.drafters if temperature == 0 else sampled:
-                cfg = run_config(model=tc.target, drafter=drafter, draft_model=str(heads.get(drafter) or "") or None,
-                                gamma=gammas[drafter], temperature=temperature, max_new_tokens=args.max_new_tokens,
-                                prompts_file=str(prompts))
+                name_of, head, settings = SETUPS[drafter]
+                cfg = run_config(model=tc.target, drafter=name_of, draft_model=str(heads.get(head or drafter) or "")
+                                 or None, gamma=gammas[drafter], temperature=temperature,
+                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts), **settings)
                 name = f"{drafter}_t{temperature:g}"
                 path = args.out / f"bench_{name}.json"
                 report = args.reuse_benches and reusable_report(path, cfg, args.per_category)
