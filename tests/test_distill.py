@@ -203,15 +203,19 @@ def test_every_train_config_in_configs_loads():
     kinds = set()
     for path in files:
         tc = train_config(path)
-        target = types.SimpleNamespace(config=H.target().config if tc.target == "tiny-random" else _smollm2_shape())
+        target = types.SimpleNamespace(config=H.target().config if tc.target == "tiny-random" else _smollm2_shape(),
+                                       tokenizer=H.target().tokenizer)  # a DFlash drafter's default mask token
         setup = kind_of(tc).setup(target, tc)  # the architecture the file describes builds
         kinds.add(tc.kind)
         if tc.kind == "model":
             assert setup.num_layers == tc.num_layers
+        elif tc.kind == "dflash":
+            assert (setup.drafter.layer.hidden_size, setup.drafter.layer.num_layers, setup.drafter.block_size) == \
+                (target.config.hidden_size, tc.num_layers, tc.block_size)
         else:  # an EAGLE-3 head's width is its decoder's
             head = setup.head.layer if isinstance(setup.head, Eagle3Config) else setup.head
             assert head.hidden_size == target.config.hidden_size
-    assert kinds == {"model", "eagle", "medusa"}
+    assert kinds == {"model", "eagle", "medusa", "dflash"}
 
 
 def _smollm2_shape():

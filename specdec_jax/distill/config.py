@@ -14,12 +14,12 @@ from specdec_jax.config import blame, read_yaml
 from specdec_jax.typed import check_fields
 
 
-KINDS = ("model", "eagle", "medusa")
+KINDS = ("model", "eagle", "medusa", "dflash")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    # what to train: a standalone draft model, an EAGLE head or Medusa heads (specdec_jax.distill.kinds)
+    # what to train: a standalone draft model, an EAGLE head, Medusa heads or a DFlash drafter (distill.kinds)
     kind: str = "model"
     # target and data
     target: str = "smollm2-135m"
@@ -54,6 +54,13 @@ class TrainConfig:
     # eagle: 3, EAGLE-3's head (speculators' format, vLLM loads it), where feature_layers [-1] stands for
     # the published ones (distill.eagle3_head); 1, EAGLE-1's (this project's head folder)
     eagle_version: int = 3
+    # dflash (distill.dflash_drafter): num_layers draft layers reading feature_layers ([-1]: z-lab's default
+    # layers), draft_vocab 0 (the target's LM head); blocks of block_size tokens (t0 and block_size - 1 masks)
+    block_size: int = 16
+    anchors: int = 16  # blocks drawn per training window
+    position_weight: str = "dpace"  # per-draft loss weights: "dpace" (speculators' default) or "decay"
+    decay_gamma: float = 4.0  # "decay": draft i weighs exp(-(i - 1) / decay_gamma)
+    mask_token: int = -1  # the block's mask id; -1: an unused embedding row past the tokenizer's ids, else EOS
     # optimisation (AdamW, linear warmup then cosine decay, global-norm clipping)
     steps: int = 300
     batch_size: int = 16
@@ -91,7 +98,7 @@ class TrainConfig:
         if self.extra_examples < 0:
             raise ValueError(f"extra_examples must be an int >= 0, got {self.extra_examples!r}")
         if self.extra_text and self.kind == "model":
-            raise ValueError("extra_text feeds teacher-forced feature data: it needs kind eagle or medusa")
+            raise ValueError("extra_text feeds teacher-forced feature data: it needs kind eagle or medusa or dflash")
         if self.medusa_heads < 1:
             raise ValueError(f"medusa_heads must be an int >= 1, got {self.medusa_heads!r}")
         if self.feature_noise < 0 or self.regression_weight < 0 or self.ce_weight < 0:
@@ -106,12 +113,33 @@ class TrainConfig:
         if eagle3 and len(self.feature_layers) > 1 and -1 in self.feature_layers:
             raise ValueError("an EAGLE-3 head reads inputs of target layers (speculators' format): feature_layers "
                              "cannot hold -1, the final-norm state (alone it stands for the published layers)")
+        if self.kind == "dflash":
+            self._check_dflash()
         if self.init not in ("target", "random"):
             raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
         if not self.learning_rate > 0 or self.weight_decay < 0 or not self.clip_norm > 0:
             raise ValueError("learning_rate and clip_norm must be > 0, weight_decay >= 0")
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+
+    def _check_dflash(self) -> None:
+        """The settings of kind dflash (`distill.dflash_drafter`), each a one-line ValueError."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (t0 and one mask), got {self.block_size}")
+        if self.block_size > self.seq_len - 1:
+            raise ValueError(f"block_size {self.block_size} leaves no anchor in windows of seq_len {self.seq_len}: "
+                             f"at most seq_len - 1")
+        if self.anchors < 1:
+            raise ValueError(f"anchors must be an int >= 1, got {self.anchors!r}")
+        if self.position_weight not in ("dpace", "decay"):
+            raise ValueError(f"position_weight must be 'dpace' or 'decay', got {self.position_weight!r}")
+        if not self.decay_gamma > 0:
+            raise ValueError(f"decay_gamma must be > 0, got {self.decay_gamma!r}")
+        if self.mask_token < -1:
+            raise ValueError(f"mask_token must be a token id, or -1 for the default, got {self.mask_token!r}")
+        if self.draft_vocab:
+            raise ValueError("a DFlash drafter drafts over the target's whole vocabulary through its LM head: "
+                             f"draft_vocab must be 0, got {self.draft_vocab}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,4 +1,4 @@
-"""What `train-draft --kind` trains: a standalone draft model, an EAGLE head or Medusa heads.
+"""What `train-draft --kind` trains: a standalone draft model, an EAGLE head, Medusa heads or a DFlash drafter.
 
 One pipeline (`distill.train`: data, AdamW, checkpoints, resume, evaluation,
 curve) serves every kind; a kind supplies only what differs:
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.distill.config import TrainConfig
+from specdec_jax.distill.dflash_drafter import dflash_layers, dflash_loss, dflash_setup, export_dflash, init_dflash
 from specdec_jax.distill.draft import WIDTH_KEYS, distill_loss, draft_config, frozen_names, init_draft, top_k_ce
 from specdec_jax.distill.eagle3_head import eagle3_config, eagle3_layers, export_eagle3, init_eagle3
 from specdec_jax.drafters.eagle import EagleConfig, EagleDrafter, HeadFunctions, init_eagle
@@ -273,7 +274,36 @@ class MedusaKind:
         return save_head(out / "head", self.name, setup.head, arrays, target_info, info)
 
 
-KINDS = {kind.name: kind for kind in (ModelKind(), EagleKind(), MedusaKind())}
+class DFlashKind:
+    """A DFlash block drafter (`drafters.dflash`) on the target's features, trained on anchored blocks as
+    speculators trains it (`distill.dflash_drafter`), saved as z-lab's ``save_pretrained`` folder."""
+
+    name = "dflash"
+
+    def data_layers(self, tc, num_layers):
+        return dflash_layers(tc.feature_layers, tc.num_layers, num_layers)
+
+    def setup(self, target, tc):
+        cfg = target.config
+        widths = {k: getattr(tc, k) or getattr(cfg, k) for k in WIDTH_KEYS}
+        if widths.pop("hidden_size") != cfg.hidden_size:
+            raise ValueError("a DFlash drafter works at the target's hidden size: leave hidden_size null")
+        return dflash_setup(target, tc, widths)
+
+    def init(self, setup, target, tc, vocab_map):
+        return {**init_dflash(setup.drafter, tc.seed), "target": shared_target_weights(target)}
+
+    def frozen(self, tc):
+        return ("target",)
+
+    def loss(self, setup, params, batch, train):
+        return dflash_loss(setup, params, batch, train)
+
+    def export(self, out, setup, params, tokenizer, target_info, info):
+        return export_dflash(out / "head", setup.drafter, params, target_info["num_layers"])
+
+
+KINDS = {kind.name: kind for kind in (ModelKind(), EagleKind(), MedusaKind(), DFlashKind())}
 
 
 def kind_of(tc: TrainConfig):

@@ -176,4 +176,5 @@ register_drafter("medusa", _head, "Medusa heads on the target's last hidden stat
                  "FasterDecoding's Medusa-1 heads: --draft-model)", needs=("draft_model",), trees=True,
                  settings=("tree_choices",), trained_kind="medusa")
 register_drafter("dflash", _dflash, "a DFlash block drafter on the target's hidden states, one pass per block (a z-lab or "
-                 "speculators DFlash folder: --draft-model)", needs=("draft_model",), settings=("dflash_block",))
+                 "speculators DFlash folder: --draft-model)", needs=("draft_model",), settings=("dflash_block",),
+                 trained_kind="dflash")
