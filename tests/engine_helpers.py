@@ -347,3 +347,17 @@ def truncated_reference(max_new: int) -> tuple[list[list[int]], list[str]]:
 def host(state: engine.DecodeState) -> engine.DecodeState:
     """The state as numpy arrays (the PRNG key, which numpy cannot hold, is dropped)."""
     return jax.device_get(state.replace(key=None))
+
+
+def assert_cli_drafts_as_plain(capsys, drafter: str, folder: str, gamma: int) -> None:
+    """`specdec-jax generate` on tiny-random with ``--drafter drafter --draft-model folder`` prints the text
+    plain decoding prints, and its tokens per round."""
+    from specdec_jax.cli import main
+
+    flags = ["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "6", "--prompt", "abcabc"]
+    plain = main(flags)
+    plain_out = capsys.readouterr().out
+    code = main([*flags, "--drafter", drafter, "--draft-model", folder, "--gamma", str(gamma)])
+    spec_out = capsys.readouterr().out
+    assert plain == code == 0 and "tokens/round" in spec_out
+    assert plain_out.splitlines()[0] == spec_out.splitlines()[0], (plain_out, spec_out)

@@ -17,7 +17,6 @@ import pytest
 
 import engine_helpers as H
 from specdec_jax import engine
-from specdec_jax.cli import main
 from specdec_jax.distill.dflash_drafter import (anchored_logits, dflash_layers, init_dflash, position_weights,
                                                sample_anchors)
 from specdec_jax.distill.kinds import shared_target_weights
@@ -81,13 +80,7 @@ def test_trained_drafter_loads_by_path_and_drafts_losslessly(trained, capsys):
     out = engine.generate(H.target(), H.RAGGED, drafter, gamma=3, max_new_tokens=H.MAX_NEW, eos_id=H.eos_id())
     assert out.tokens == H.reference().tokens
     assert out.metrics.draft_tokens > 0
-    plain = main(["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "6", "--prompt", "abcabc"])
-    plain_out = capsys.readouterr().out
-    code = main(["generate", "--model", "tiny-random", "--raw", "--drafter", "dflash", "--draft-model",
-                 trained["draft"], "--gamma", "3", "--max-new-tokens", "6", "--prompt", "abcabc"])
-    spec_out = capsys.readouterr().out
-    assert plain == code == 0 and "tokens/round" in spec_out
-    assert plain_out.splitlines()[0] == spec_out.splitlines()[0], (plain_out, spec_out)
+    H.assert_cli_drafts_as_plain(capsys, "dflash", trained["draft"], 3)
 
 
 def test_kill_and_resume_gives_the_uninterrupted_drafter(run, tmp_path):

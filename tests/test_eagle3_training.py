@@ -15,7 +15,6 @@ import pytest
 
 import engine_helpers as H
 from specdec_jax import engine
-from specdec_jax.cli import main
 from specdec_jax.distill.eagle3_head import eagle3_config, eagle3_layers, init_eagle3
 from specdec_jax.distill.train import train_draft
 from specdec_jax.drafters.eagle3 import Eagle3Drafter, head_logits, head_pass, project
@@ -110,10 +109,4 @@ def test_trained_head_loads_by_path_and_drafts_losslessly(trained, capsys):
     assert out.tokens == H.reference().tokens
     assert out.metrics.draft_tokens > 0
     assert {"agreement_step2"} <= set(trained["heldout"])
-    plain = main(["generate", "--model", "tiny-random", "--raw", "--max-new-tokens", "6", "--prompt", "abcabc"])
-    plain_out = capsys.readouterr().out
-    code = main(["generate", "--model", "tiny-random", "--raw", "--drafter", "eagle", "--draft-model",
-                 trained["draft"], "--gamma", "2", "--max-new-tokens", "6", "--prompt", "abcabc"])
-    spec_out = capsys.readouterr().out
-    assert plain == code == 0 and "tokens/round" in spec_out
-    assert plain_out.splitlines()[0] == spec_out.splitlines()[0], (plain_out, spec_out)
+    H.assert_cli_drafts_as_plain(capsys, "eagle", trained["draft"], 2)

@@ -166,6 +166,14 @@ def test_sigterm_at_many_points_of_a_calibration_exits_143(tmp_path):
         _sigterm_during_calibration(tmp_path / str(pair[0]), pair)
 
 
+def assert_script_ends(script: str, code: int, stdout: str, stderr: str) -> None:
+    """``python -c script`` exits ``code`` having printed exactly ``stdout`` and ``stderr``."""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == code, child.stderr
+    assert child.stdout == stdout
+    assert child.stderr == stderr
+
+
 def test_a_stopped_command_ends_without_python_finalization():
     """The console script ends a stopped command through `interrupts.exit_now`: no atexit, no
     garbage collection of jax's client (the test above, deterministic)."""
@@ -180,10 +188,7 @@ def test_a_stopped_command_ends_without_python_finalization():
               "sys.argv = ['specdec-jax', 'theory', '--alpha', '0.5', '--gamma', '1']\n"
               "print('running', flush=True)\n"
               "sys.exit(cli.console())\n")
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert child.returncode == 143, child.stderr
-    assert child.stdout == "running\n"
-    assert child.stderr == "specdec-jax: theory stopped by SIGTERM; kept: nothing\n"
+    assert_script_ends(script, 143, "running\n", "specdec-jax: theory stopped by SIGTERM; kept: nothing\n")
 
 
 def test_a_signal_that_lands_in_a_garbage_collector_callback_still_stops_the_main_thread():
@@ -205,10 +210,7 @@ def test_a_signal_that_lands_in_a_garbage_collector_callback_still_stops_the_mai
               "except KeyboardInterrupt:\n"
               "    print('main thread stopped', flush=True)\n"
               "    interrupts.exit_now(interrupts.stopped('generate'))\n")
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert child.returncode == 143, child.stderr
-    assert child.stdout == "main thread stopped\n"
-    assert child.stderr == "specdec-jax: generate stopped by SIGTERM; kept: nothing\n"
+    assert_script_ends(script, 143, "main thread stopped\n", "specdec-jax: generate stopped by SIGTERM; kept: nothing\n")
 
 
 def test_a_signal_inside_a_deferred_block_stops_at_its_end():
@@ -225,10 +227,7 @@ def test_a_signal_inside_a_deferred_block_stops_at_its_end():
               "    print('after the block', flush=True)\n"
               "except KeyboardInterrupt:\n"
               "    sys.exit(interrupts.stopped('train-draft'))\n")
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert child.returncode == 130, child.stderr
-    assert child.stdout == "block finished\n"
-    assert child.stderr == "specdec-jax: train-draft stopped by SIGINT; kept: nothing\n"
+    assert_script_ends(script, 130, "block finished\n", "specdec-jax: train-draft stopped by SIGINT; kept: nothing\n")
 
 
 def test_chunked_loop_equals_one_call(monkeypatch):
