@@ -34,7 +34,6 @@ from specdec_jax.engine.request import GenerateRequest
 from specdec_jax.engine.round import decode_round
 from specdec_jax.models import LlamaConfig
 from specdec_jax.target import FINAL_NORM
-from test_published_heads import AUTO_CHAIN
 from test_published_heads import target as published_target
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "dflash.json").read_text())
@@ -147,17 +146,34 @@ def test_greedy_rounds_match_dflash_generate(folders, case):
     assert max(FIXTURE["cases"]["zlab-qwen3"]["blocks"]["4"]["acceptance_lengths"]) > 1
 
 
-@pytest.mark.parametrize("case, gamma", [("zlab-qwen3", 6), ("speculators-llama", "auto")])
-def test_greedy_speculation_equals_plain_decoding(folders, case, gamma):
-    """A ragged batch, gamma above the block's B - 1 drafts (padding) or chosen on device: plain tokens."""
+@pytest.mark.parametrize("case, gamma, block", [("zlab-qwen3", 3, None), ("speculators-llama", "auto", None),
+                                               ("zlab-llama", "auto", 3)])
+def test_greedy_speculation_equals_plain_decoding(folders, case, gamma, block):
+    """A ragged batch, gamma the block's B - 1 drafts or chosen on device among the block's lengths
+    (`engine.auto_shapes`), at the trained block or a smaller one (--dflash-block): plain tokens."""
     loaded_target = target(dw.CASES[source(case)]["target"])
     prompt = FIXTURE["targets"][dw.CASES[source(case)]["target"]]["prompt"]
     prompts = [prompt, prompt[:5]]
+    drafter = loaded(folders, case) if block is None else loaded(folders, case).with_block(block)
+    gammas, _ = engine.auto_shapes(drafter)
+    assert gammas[-1] == drafter.config.block_size - 1
+    policy = engine.ShapePolicy(gammas, [1.0 + 0.1 * g for g in gammas], [0.0] + [0.1] * (len(gammas) - 1), prior=0.9)
     plain = engine.generate(loaded_target.model, prompts, None, max_new_tokens=14)
-    out = engine.generate(loaded_target.model, prompts, loaded(folders, case), gamma=gamma,
-                          policy=AUTO_CHAIN if gamma == "auto" else None, max_new_tokens=14)
+    out = engine.generate(loaded_target.model, prompts, drafter, gamma=gamma,
+                          policy=policy if gamma == "auto" else None, max_new_tokens=14)
     assert out.tokens == plain.tokens
     assert out.metrics.draft_tokens > 0, out.metrics
+
+
+def test_a_gamma_or_block_past_the_trained_block_is_refused(folders):
+    drafter = loaded(folders, "zlab-qwen3")
+    block = drafter.config.block_size
+    with pytest.raises(ValueError, match=f"proposes at most {block - 1} drafts a round; gamma = {block}"):
+        engine.generate(target(dw.CASES[source("zlab-qwen3")]["target"]).model, [[1, 2, 3]], drafter, gamma=block,
+                        max_new_tokens=4)
+    for bad in (1, block + 1):
+        with pytest.raises(ValueError, match=f"--dflash-block {bad}:"):
+            drafter.with_block(bad)
 
 
 def law_drafter() -> DFlashDrafter:
@@ -226,8 +242,9 @@ def test_refusals_are_one_line(folders, tmp_path):
 
 
 def test_the_cli_drafts_with_a_dflash_folder_and_refuses_in_one_line(folders, tmp_path, capsys):
-    """--drafter dflash --draft-model FOLDER on a Hugging Face target folder; a drafter for another target,
-    or tree settings, are one line on stderr and exit 2."""
+    """--drafter dflash --draft-model FOLDER on a Hugging Face target folder (at its block and at --dflash-block
+    2); a drafter for another target, tree settings, a block past the trained one or a gamma past its drafts
+    are one line on stderr and exit 2."""
     from tokenizers import Tokenizer, models
 
     from specdec_jax.cli import main
@@ -240,9 +257,12 @@ def test_the_cli_drafts_with_a_dflash_folder_and_refuses_in_one_line(folders, tm
     common = ["generate", "--model", str(model_dir), "--raw", "--prompt", "t5 t9 t7", "--max-new-tokens", "4",
               "--drafter", "dflash", "--draft-model"]
     assert main(common + [str(folders["zlab-qwen3"]), "--gamma", "3"]) == 0
+    assert main(common + [str(folders["zlab-qwen3"]), "--gamma", "1", "--dflash-block", "2"]) == 0
     capsys.readouterr()
     for extra, message in (([str(folders["speculators-llama"])], "a DFlash drafter for a vocabulary of 160"),
-                           ([str(folders["zlab-qwen3"]), "--tree-depth", "3"], "drafts chains only")):
+                           ([str(folders["zlab-qwen3"]), "--tree-depth", "3"], "drafts chains only"),
+                           ([str(folders["zlab-qwen3"]), "--dflash-block", "64"], "--dflash-block 64: a block holds"),
+                           ([str(folders["zlab-qwen3"]), "--gamma", "9"], "proposes at most 3 drafts a round")):
         assert main(common + extra) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
