@@ -261,7 +261,8 @@ def test_the_reference_mask_is_the_tables_mask():
             assert got.tolist() == expected.tolist(), prefix
 
 
-@pytest.mark.parametrize("name, gamma, seed", [("model", 3, 31), ("decoy-tree", None, 32)], ids=["chain", "tree"])
+@pytest.mark.parametrize("name, gamma, seed", [("model", 3, 31), pytest.param("decoy-tree", None, 32, marks=pytest.mark.slow)],
+                         ids=["chain", "tree"])
 def test_constrained_spec_sampling_follows_the_exact_constrained_law(name, gamma, seed):
     codes, metrics = constrained_samples(name, gamma, seed)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**NEW), constrained_law())
@@ -269,6 +270,7 @@ def test_constrained_spec_sampling_follows_the_exact_constrained_law(name, gamma
     assert metrics.accepted_tokens > N / 10 and metrics.accepted_tokens < metrics.draft_tokens, metrics
 
 
+@pytest.mark.slow  # suite time: a check of the check
 def test_a_verifier_ignoring_the_candidates_grammar_states_fails(monkeypatch):
     """Power: masking every verified position with the row's state before the round (not the state along
     the drafts before it) gives another law, which the same test rejects by far."""

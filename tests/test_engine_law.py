@@ -122,7 +122,7 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
 # (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
 # (token trees: gamma None, the tree's node count)
 CASES = [("model", 2, 11, 3), pytest.param("model", 3, 12, 4, marks=pytest.mark.slow), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
-         ("medusa", 3, 16, 4), ("model", "auto", 17, 4), pytest.param("trie", None, 18, 4, marks=pytest.mark.slow), pytest.param("decoy-model", None, 19, 4, marks=pytest.mark.slow),  # also under auto below
+         ("medusa", 3, 16, 4), pytest.param("model", "auto", 17, 4, marks=pytest.mark.slow), pytest.param("trie", None, 18, 4, marks=pytest.mark.slow), pytest.param("decoy-model", None, 19, 4, marks=pytest.mark.slow),  # also under auto below
          pytest.param("eagle-tree", None, 20, 4, marks=pytest.mark.slow), ("decoy-model", "auto", 21, 4)]
 
 

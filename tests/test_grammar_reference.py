@@ -19,6 +19,7 @@ from specdec_jax.drafters import NgramDrafter
 from specdec_jax.engine import generate
 from specdec_jax.models import load_model
 
+pytestmark = pytest.mark.slow  # suite time: SmolLM2 decodes 128 constrained tokens twice
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "grammar_hf_reference.json").read_text())
 RECORDS = FIXTURE["records"]
 NEW = FIXTURE["meta"]["new_tokens"] + 32

@@ -338,7 +338,8 @@ def law_head(tree: TreeShape | None = None) -> Eagle3Drafter:
     return Eagle3Drafter(cfg, random_eagle3(cfg, 5), tree=tree)
 
 
-@pytest.mark.parametrize("tree", [None, pytest.param(TreeShape(nodes=6, depth=3, topk=2), marks=pytest.mark.slow)],
+@pytest.mark.slow  # suite time: the head's rounds are EAGLE's (test_engine_law, eagle-g3), its logits the reference's
+@pytest.mark.parametrize("tree", [None, TreeShape(nodes=6, depth=3, topk=2)],
                          ids=["chain-g3", "dynamic-tree"])
 def test_eagle3_sampling_follows_the_target_law(tree):
     """test_engine_law's chi-square over 4 sampled tokens of 65,536 rows: q (the head's law mapped to

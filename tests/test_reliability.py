@@ -517,6 +517,7 @@ def test_bench_per_category_below_one_is_one_line(capsys):
     assert "--per-category must be >= 1 prompts, got -1" in one_error_line(capsys)
 
 
+@pytest.mark.slow  # suite time: the stop's rule is the other stop tests'
 def test_sigint_while_waiting_for_a_missing_peer_stops_with_one_line():
     """A process of a multi-host run whose coordinator never comes: Ctrl-C stops it within seconds."""
     child = subprocess.Popen(

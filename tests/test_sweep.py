@@ -38,14 +38,33 @@ def smoke(cfg, tmp_path):
     return cfg.updated(**changes)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
-def test_every_config_file_loads_and_smoke_runs_on_tiny_random(path, tmp_path, monkeypatch):
+# Smoke-run in the default suite (one of each kind: a model, a drafter, a tree sweep, a datastore); the others
+# in the slow step (suite time).
+SMOKE_RUN_BY_DEFAULT = {"models/tiny-random.yaml", "drafters/ngram.yaml", "drafters/retrieval.yaml",
+                        "sweeps/eagle_tree.yaml"}
+
+
+def config_of(path: pathlib.Path):
+    """The run config of a config file (a sweep file's last grid point)."""
     if "grid" in load_raw(path):
         keys, configs = load_sweep(path)
         assert keys and configs
-        cfg = configs[-1]
-    else:
-        cfg = resolve(load_yaml(path), {}, where=str(path))
+        return configs[-1]
+    return resolve(load_yaml(path), {}, where=str(path))
+
+
+def test_every_config_file_loads():
+    assert len(CONFIGS) > len(SMOKE_RUN_BY_DEFAULT)
+    assert SMOKE_RUN_BY_DEFAULT <= {str(p.relative_to(CONFIG_DIR)) for p in CONFIGS}
+    for path in CONFIGS:
+        assert config_of(path).drafter
+
+
+@pytest.mark.parametrize("path", [p if str(p.relative_to(CONFIG_DIR)) in SMOKE_RUN_BY_DEFAULT
+                                  else pytest.param(p, marks=pytest.mark.slow) for p in CONFIGS],
+                         ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_config_file_smoke_runs_on_tiny_random(path, tmp_path, monkeypatch):
+    cfg = config_of(path)
     if cfg.drafting.datastore:
         monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # the folder's index
     report = runner.run(smoke(cfg, tmp_path), progress=False)

@@ -218,12 +218,13 @@ def chi2_p_value(counts, law):
     return stats.chi2.sf(stat, len(obs) - 1)
 
 
-@pytest.mark.parametrize("kind", ["point_mass", "iid", "without_replacement"])
+@pytest.mark.parametrize("kind", [pytest.param("point_mass", marks=pytest.mark.slow), "iid", "without_replacement"])
 def test_sampled_trees_follow_the_target_sequence_law(kind):
     counts, law = sequence_counts(kind, seed=11, rule_without_replacement=kind == "without_replacement")
     assert chi2_p_value(counts, law) > CHI2_SIGNIFICANCE
 
 
+@pytest.mark.slow  # suite time: a check of the check
 def test_the_sequence_law_test_has_power():
     """Children drawn without replacement but verified with the i.i.d. rule: the law is off."""
     counts, law = sequence_counts("without_replacement", seed=11, rule_without_replacement=False)
