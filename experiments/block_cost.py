@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import pathlib
 
 import numpy as np
 from common import RESULTS, markdown_table, pyplot, save
 
+from specdec_jax.distill.dflash_drafter import init_dflash
 from specdec_jax.distill.eagle3_head import eagle3_config, init_eagle3
-from specdec_jax.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_shapes
+from specdec_jax.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdec_jax.drafters.eagle3 import Eagle3Drafter
 from specdec_jax.drafters.model import ModelDrafter
 from specdec_jax.drafters.published import zlab_layer_ids
@@ -45,19 +45,12 @@ DFLASH_LAYERS = (1, 5)
 PROMPT, CAPACITY = 128, 512
 
 
-def random_arrays(shapes: dict, seed: int) -> dict:
-    """Norms 1, matrices ~ N(0, 1 / fan_in): weights of the right shapes, for timing."""
-    rng = np.random.default_rng(seed)
-    return {name: np.ones(shape, np.float32) if "norm" in name else
-            (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32) for name, shape in shapes.items()}
-
-
 def dflash_drafter(target, layers: int, block: int) -> DFlashDrafter:
     """A DFlash drafter of ``layers`` Qwen3 layers at the target's widths (random weights)."""
     tcfg = target.config
     layer = dataclasses.replace(tcfg, num_layers=layers, qk_norm=True, tie_embeddings=False, output_vocab_size=None)
     cfg = DFlashConfig(layer, tuple(zlab_layer_ids(tcfg.num_layers, layers)), tcfg.hidden_size, block, mask_token=0)
-    return DFlashDrafter(cfg, random_arrays(dflash_shapes(cfg), seed=layers))
+    return DFlashDrafter(cfg, init_dflash(cfg, seed=layers))
 
 
 def eagle3_drafter(target, name: str) -> Eagle3Drafter:

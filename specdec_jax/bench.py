@@ -213,9 +213,10 @@ def bench_batch(setup: Setup, chunk: list[dict], repeats: int) -> dict:
         if cfg.sampling.temperature == 0 else (None, [None] * len(chunk))
     )
     row = _batch_row(chunk, plain, spec, walls, decodes, compile_s, costs, comparisons, gamma)
-    plain_sum = logprob_sum(target.config, target.model.params(), prompts, plain.tokens)
-    spec_sum = plain_sum if spec.tokens == plain.tokens else logprob_sum(
-        target.config, target.model.params(), prompts, spec.tokens)  # equal outputs: one teacher-forced pass
+    params = target.model.params()
+    plain_sum = logprob_sum(target.config, params, prompts, plain.tokens)
+    spec_sum = plain_sum if spec.tokens == plain.tokens else logprob_sum(  # equal outputs: one teacher-forced pass
+        target.config, params, prompts, spec.tokens)
     row.update(prompt_ids=prompts, plain_outputs=plain.tokens, spec_outputs=spec.tokens,  # for replays
                logprob_sum={"plain": plain_sum, "spec": spec_sum})
     return row
@@ -227,7 +228,8 @@ def time_peer(hf, setup: Setup, row: dict, repeats: int) -> dict:
     cfg, mode = setup.cfg, peer_mode(setup.cfg)
     eos = None if cfg.inputs.ignore_eos else setup.target.tokenizer.eos_id  # its own EOS only, not --stop-id
     timed = {}
-    for name, lookup in (("greedy", 0), (mode, engine.widest_gamma(setup.drafter, cfg.effective_gamma) if mode == "lookup" else 0)):
+    lookup_drafts = engine.widest_gamma(setup.drafter, cfg.effective_gamma) if mode == "lookup" else 0
+    for name, lookup in (("greedy", 0), (mode, lookup_drafts)):
         result = hf.time_decode(row["prompt_ids"][0], cfg.inputs.max_new_tokens, eos, lookup, repeats,
                                 name == "assisted")
         tokens = result.pop("tokens")

@@ -19,6 +19,7 @@ import pytest
 import engine_helpers as H
 from specdec_jax import engine, theory
 from specdec_jax.engine import ShapePolicy, calibration, shape
+from specdec_jax.engine.request import resolve_gamma
 from specdec_jax.sampling import SamplingParams
 
 GAMMAS = (0, 1, 2, 4)
@@ -322,6 +323,8 @@ def test_a_drafter_with_a_bound_on_its_drafts_is_offered_chains_up_to_it():
     assert engine.widest_gamma(bounded, 5) == 5 and engine.widest_gamma(None, engine.AUTO) == 0
     with pytest.raises(ValueError, match="proposes at most 7 drafts a round; gamma = 8"):
         engine.widest_gamma(bounded, 8)
+    with pytest.raises(ValueError, match="proposes at most 7 drafts a round; gamma = 8"):  # a policy's widest shape
+        resolve_gamma(bounded, None, ShapePolicy((0, 8), (1.0, 2.0), (0.0, 0.1)))
 
 
 def test_tree_expected_tokens_sum_the_node_marginals_and_the_choice_follows_them():

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 
 import jax
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import interrupts
-from specdec_jax.distill.draft import top_k_ce
+from specdec_jax.distill.draft import random_weights, top_k_ce
 from specdec_jax.drafters.dflash import DFlashConfig, block_logits, dflash_shapes, write_context
 from specdec_jax.drafters.published import zlab_layer_ids
 from specdec_jax.drafters.speculators_format import layer_config
@@ -100,11 +99,8 @@ def dflash_setup(target, tc, widths: dict) -> DFlashSetup:
 
 
 def init_dflash(cfg: DFlashConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random weights: norms 1, matrices ~ N(0, 1/fan_in)."""
-    rng = np.random.default_rng(seed)
-    return {name: np.ones(shape, np.float32) if "norm" in name else
-            (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
-            for name, shape in dflash_shapes(cfg).items()}
+    """Random weights (`distill.draft.random_weights`)."""
+    return random_weights(dflash_shapes(cfg), seed)
 
 
 def sample_anchors(weight: jax.Array, count: int, block: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:

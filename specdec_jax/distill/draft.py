@@ -20,6 +20,20 @@ import numpy as np
 from specdec_jax.distill.config import TrainConfig
 from specdec_jax.models.llama import LlamaConfig, forward, init_params, layer_params
 
+def random_weights(shapes: dict, seed: int, skip: tuple[str, ...] = ()) -> dict:
+    """Random weights of ``shapes`` (name -> shape, or a nested dict of them), names in ``skip`` left out:
+    norms 1, matrices ~ N(0, 1 / fan_in) with fan_in the last axis (the ``[out, in]`` layout)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(table: dict) -> dict:
+        return {name: draw(shape) if isinstance(shape, dict) else
+                np.ones(shape, np.float32) if "norm" in name else
+                (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+                for name, shape in table.items() if name not in skip}
+
+    return draw(shapes)
+
+
 WIDTH_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
 
 

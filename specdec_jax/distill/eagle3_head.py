@@ -11,10 +11,9 @@ test are `distill.kinds.EagleKind`'s, through the head's `HeadFunctions`.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from specdec_jax.distill.draft import random_weights
 from specdec_jax.drafters.eagle3 import Eagle3Config, eagle3_shapes
 from specdec_jax.drafters.speculators_format import save_eagle3, speculators_config
 from specdec_jax.models.llama import LlamaConfig
@@ -44,15 +43,7 @@ def eagle3_config(target_config: LlamaConfig, feature_layers: tuple[int, ...], w
 def init_eagle3(cfg: Eagle3Config, seed: int, head_rows: np.ndarray, vocab_map: np.ndarray | None) -> dict:
     """Random weights (norms 1, matrices ~ N(0, 1/fan_in)); ``lm_head [Vo, H]`` copies the target's LM head
     ``head_rows f32[H, V]`` at ``vocab_map`` (all rows without one)."""
-    rng = np.random.default_rng(seed)
-
-    def random(shapes: dict) -> dict:
-        return {name: random(shape) if isinstance(shape, dict) else
-                np.ones(shape, np.float32) if "norm" in name else
-                (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
-                for name, shape in shapes.items() if name not in ("vocab_map", "lm_head")}
-
-    arrays = random(eagle3_shapes(cfg))
+    arrays = random_weights(eagle3_shapes(cfg), seed, skip=("vocab_map", "lm_head"))
     rows = np.asarray(head_rows, np.float32).T
     if cfg.output_vocab_size is not None:
         if vocab_map is None:

@@ -197,9 +197,6 @@ class DFlashDrafter(DrafterBase):
         logits = block_logits(cfg, params, ctx.target, ctx.target_params, tokens,
                               (n - 1)[:, None] + jnp.arange(block)[None, :], cache, context,
                               jnp.broadcast_to(shown, (n.shape[0], block, block)))[:, 1:]
-        if gamma > block - 1:
-            raise ValueError(f"a DFlash block of {block} tokens holds {block - 1} drafts; gamma {gamma} asks for more")
-
         def following(carry, token, index):  # the logits of draft index + 2: already computed
             return jax.lax.dynamic_index_in_dim(carry, index + 1, axis=1, keepdims=False), carry
 

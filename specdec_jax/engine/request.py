@@ -138,8 +138,9 @@ def resolve_gamma(drafter: Drafter | None, gamma, policy: ShapePolicy | None) ->
     or equal to it; 0 is plain decoding), or 0 without a drafter. A fixed gamma that is not an int >= 0 is
     returned for `_check_settings`."""
     tree, most = getattr(drafter, "tree", None), getattr(drafter, "max_drafts", None)
-    if most is not None and isinstance(gamma, int) and gamma > most:
-        raise ValueError(f"the {drafter.name} drafter proposes at most {most} drafts a round; gamma = {gamma} "
+    asked = policy.max_gamma if policy is not None else gamma
+    if most is not None and isinstance(asked, int) and asked > most:
+        raise ValueError(f"the {drafter.name} drafter proposes at most {most} drafts a round; gamma = {asked} "
                          f"asks for more")
     if tree is not None and policy is None and gamma != AUTO:
         if gamma not in (None, 0, tree.nodes):
