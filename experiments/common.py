@@ -22,7 +22,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs" / "train"  # found from any working directory
 
 HEAD_CONFIGS = {"eagle": str(CONFIGS / "smollm2-eagle.yaml"), "medusa": str(CONFIGS / "smollm2-medusa.yaml"),
-                "eagle3": str(CONFIGS / "smollm2-eagle3.yaml")}
+                "eagle3": str(CONFIGS / "smollm2-eagle3.yaml"), "dflash": str(CONFIGS / "smollm2-dflash.yaml")}
 DRAFT_CONFIG = str(CONFIGS / "smollm2-draft.yaml")
 STANDALONE_DRAFT = "drafts/smollm2-recipe"  # where experiments/train_draft_recipe.py trains its draft
 OPEN_ENDED = ("writing", "roleplay", "qa")  # the categories where prompt lookup finds least to copy
@@ -158,7 +158,7 @@ def prompt_record(question: dict) -> dict:
 
 
 def run_folder(kind: str) -> pathlib.Path:
-    """The cache folder `experiments/eagle_recipe.py` trains head `kind` (eagle, medusa, eagle3) in."""
+    """The cache folder `experiments/eagle_recipe.py` trains head `kind` (eagle, medusa, eagle3, dflash) in."""
     from specdec_jax.cache import cache_dir
 
     return cache_dir() / "heads" / pathlib.Path(HEAD_CONFIGS[kind]).stem

@@ -1,8 +1,11 @@
 """The EAGLE recipe (and Medusa beside it): train or reuse both heads for SmolLM2-135M, then bench
-them beside the n-gram drafter and the standalone draft on the held-out Spec-Bench questions.
+them beside the n-gram drafter and the standalone draft on the held-out Spec-Bench questions (EAGLE-3
+heads and a DFlash drafter, trained the same way, when named).
 
 Makes the entries "Which drafter is fastest at `--gamma auto`, and how far are the trained heads
-from their targets?" and "Which drafter wins on which Spec-Bench category?" of experiments/README.md.
+from their targets?", "Which drafter wins on which Spec-Bench category?", "Does an EAGLE-3 head trained
+on the same data beat the EAGLE-1 head on SmolLM2?" and "Does a DFlash drafter trained on the same data
+pay on SmolLM2?" of experiments/README.md.
 
     python experiments/eagle_recipe.py [--per-category 1] [--max-new-tokens 128] [--temperatures 0 0.7]
 
@@ -48,9 +51,10 @@ from specdec_jax.cache import cache_dir
 # Setups benched: name -> (--drafter, the HEAD_CONFIGS head it drafts with or None, further run settings).
 SETUPS = {"ngram": ("ngram", None, {}), "draft-model": ("draft-model", None, {}), "medusa": ("medusa", "medusa", {}),
           "eagle": ("eagle", "eagle", {}), "eagle3": ("eagle", "eagle3", {}),
-          "eagle3-tree": ("eagle", "eagle3", {"tree_nodes": AUTO, "tree_depth": 4, "tree_topk": 4})}
+          "eagle3-tree": ("eagle", "eagle3", {"tree_nodes": AUTO, "tree_depth": 4, "tree_topk": 4}),
+          "dflash": ("dflash", "dflash", {})}
 DRAFTERS = tuple(SETUPS)
-DEFAULT_DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")  # the EAGLE-3 setups when asked for
+DEFAULT_DRAFTERS = ("ngram", "draft-model", "medusa", "eagle")  # EAGLE-3 and DFlash when asked for
 
 
 def gamma_of(text: str) -> int | str:
@@ -109,8 +113,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--drafters", nargs="+", default=None, choices=DRAFTERS,
-                        help="default: ngram, medusa, eagle, and draft-model when the cache holds one; eagle3 and "
-                             "eagle3-tree (EAGLE-3's head, chains and --tree-nodes auto) when named")
+                        help="default: ngram, medusa, eagle, and draft-model when the cache holds one; eagle3, "
+                             "eagle3-tree (EAGLE-3's head, chains and --tree-nodes auto) and dflash (a DFlash drafter) "
+                             "when named")
     parser.add_argument("--sampled-drafters", nargs="+", default=None, metavar="DRAFTER",
                         help="drafters benched at the non-zero temperatures (default: the heads among --drafters)")
     parser.add_argument("--gamma", action="append", default=[], metavar="DRAFTER=G",
