@@ -33,6 +33,7 @@ from specdec_jax.engine.generation import prepare_request
 from specdec_jax.engine.request import GenerateRequest
 from specdec_jax.engine.round import decode_round
 from specdec_jax.models import LlamaConfig
+from specdec_jax.models.llama import layer_params
 from specdec_jax.target import FINAL_NORM
 from test_published_heads import target as published_target
 
@@ -85,21 +86,33 @@ def loaded(folders, case: str) -> DFlashDrafter:
     return load_drafter_folder(folders[case], "dflash", target(dw.CASES[source(case)]["target"]))
 
 
+CONTEXT = 64  # slots of the padded sequence round_logits reads (prompt + reference output)
+
+
 def round_logits(drafter: DFlashDrafter, loaded_target, sequence: list[int], start: int) -> np.ndarray:
     """f32[B-1,V]: the draft logits of the round whose t0 is ``sequence[start]``, the context being the
     target's states of ``sequence[:start]``."""
-    cfg, params = drafter.config, drafter.params
+    assert len(sequence) <= CONTEXT
     model, target_params = loaded_target.model.as_target()
-    ids = jnp.asarray([sequence[:start]])
-    _, hidden, _ = model.apply(target_params, ids, model.init_cache(1, 64), jnp.arange(start)[None],
+    ids = jnp.asarray([sequence + [0] * (CONTEXT - len(sequence))])
+    return np.asarray(_round_logits(drafter.config, drafter.params, model, target_params, ids, start))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _round_logits(cfg, params, model, target_params, ids, start):
+    """round_logits of the padded ``ids i32[1,CONTEXT]``, one program per drafter shape (``start`` traced):
+    the target's states of every slot are written, those from ``start`` on hidden by the context mask
+    (causal attention: the states before ``start`` do not read them)."""
+    positions = jnp.arange(CONTEXT)[None]
+    _, hidden, _ = model.apply(target_params, ids, model.init_cache(1, CONTEXT), positions,
                                hidden_layers=cfg.feature_layers, compute_logits=False)
-    cache = write_context(cfg, params, cfg.layer.init_cache(1, 64), jnp.moveaxis(hidden, 0, 2), jnp.arange(start)[None])
+    cache = write_context(cfg, params, cfg.layer.init_cache(1, CONTEXT), jnp.moveaxis(hidden, 0, 2), positions)
     block = cfg.block_size
-    tokens = jnp.asarray([[sequence[start]] + [cfg.mask_token] * (block - 1)])
-    context = jnp.broadcast_to(jnp.arange(64)[None, None] < start, (1, block, 64))
+    tokens = jnp.concatenate([ids[:, start, None], jnp.full((1, block - 1), cfg.mask_token, ids.dtype)], axis=1)
+    context = jnp.broadcast_to(positions[:, None] < start, (1, block, CONTEXT))
     logits = block_logits(cfg, params, model, target_params, tokens, start + jnp.arange(block)[None], cache, context,
                           jnp.ones((1, block, block), bool))
-    return np.asarray(logits[0, 1:])
+    return logits[0, 1:]
 
 
 def with_block(drafter: DFlashDrafter, block: int) -> DFlashDrafter:
@@ -176,18 +189,37 @@ def test_a_gamma_or_block_past_the_trained_block_is_refused(folders):
             drafter.with_block(bad)
 
 
-def law_drafter() -> DFlashDrafter:
+def law_drafter(layers: int = 1) -> DFlashDrafter:
     """A random DFlash drafter (block 4) on test_engine_law's target, reading its layer 0 and final norm."""
     from test_engine_law import CONFIG
 
     layer = LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.hidden_size, intermediate_size=32,
-                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, rope_theta=500.0)
+                        num_layers=layers, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, rope_theta=500.0)
     cfg = DFlashConfig(layer, (0, FINAL_NORM), CONFIG.hidden_size, block_size=4, mask_token=5)
     rng = np.random.default_rng(7)
     params = {name: ((1 + 0.2 * rng.standard_normal(shape)) if "norm" in name else
                      rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
               for name, shape in dflash_shapes(cfg).items()}
     return DFlashDrafter(cfg, params)
+
+
+def test_layer_weights_are_kept_per_layer_and_the_head_reads_only_the_drafted_rows():
+    """The drafter holds each stacked layer weight as one array per layer (`split_layers`: XLA CPU runs a
+    pass over slices of a stacked weight about twice as slowly), and ``rows`` gives the whole block's
+    logits at those rows (a round drafting gamma < B - 1 heads only its gamma rows)."""
+    from test_engine_law import target as law_target
+
+    drafter = law_drafter(layers=2)
+    cfg, params = drafter.config, drafter.params
+    assert all(isinstance(params[name], tuple) and len(params[name]) == 2 for name in layer_params(cfg.layer))
+    model, target_params = law_target().as_target()
+    rng = np.random.default_rng(3)
+    features = jnp.asarray(rng.standard_normal((1, 6, 2, cfg.target_hidden_size)), jnp.float32)
+    cache = write_context(cfg, params, cfg.layer.init_cache(1, 8), features, jnp.arange(6)[None])
+    tokens = jnp.asarray([[3] + [cfg.mask_token] * 3])
+    args = (cfg, params, model, target_params, tokens, 6 + jnp.arange(4)[None], cache,
+            jnp.broadcast_to(jnp.arange(8) < 6, (1, 4, 8)), jnp.ones((1, 4, 4), bool))
+    np.testing.assert_allclose(block_logits(*args, rows=slice(1, 3)), block_logits(*args)[:, 1:3], atol=1e-5)
 
 
 def test_dflash_sampling_follows_the_target_law():

@@ -84,9 +84,20 @@ def loaded(folders, case: str):
 def features(loaded_target: LoadedModel, prompt: list[int], layers) -> jax.Array:
     """f32[1,P,m,Ht]: the target's hidden states ``layers`` at every prompt token."""
     model, params = loaded_target.model.as_target()
-    _, hidden, _ = model.apply(params, jnp.asarray([prompt]), model.init_cache(1, 16),
-                               jnp.arange(len(prompt))[None], hidden_layers=layers, compute_logits=False)
+    return _features(model, params, jnp.asarray([prompt]), tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _features(model, params, ids, layers):
+    _, hidden, _ = model.apply(params, ids, model.init_cache(1, 16), jnp.arange(ids.shape[1])[None],
+                               hidden_layers=layers, compute_logits=False)
     return jnp.moveaxis(hidden, 0, 2)
+
+
+# The head's pieces compiled once per head shape (run op by op they compiled each operation apart).
+jit_head_pass = jax.jit(head_pass, static_argnums=(0, 2))
+jit_head_logits = jax.jit(head_logits, static_argnums=0)
+jit_project = jax.jit(project, static_argnums=0)
 
 
 def draft_logits(drafter: Eagle3Drafter, loaded_target: LoadedModel, prompt: list[int], t0: int, steps: int):
@@ -95,17 +106,17 @@ def draft_logits(drafter: Eagle3Drafter, loaded_target: LoadedModel, prompt: lis
     cfg, params = drafter.config, drafter.params
     model, target_params = loaded_target.model.as_target()
     size = len(prompt)
-    h, cache = head_pass(cfg, params, model, target_params, jnp.asarray([prompt[1:] + [t0]]),
-                         project(cfg, params, features(loaded_target, prompt, cfg.feature_layers)),
-                         cfg.layer.init_cache(1, 16), jnp.arange(size)[None])
-    first, fed = head_logits(cfg, params, h[0])
+    h, cache = jit_head_pass(cfg, params, model, target_params, jnp.asarray([prompt[1:] + [t0]]),
+                             jit_project(cfg, params, features(loaded_target, prompt, cfg.feature_layers)),
+                             cfg.layer.init_cache(1, 16), jnp.arange(size)[None])
+    first, fed = jit_head_logits(cfg, params, h[0])
     chain, drafts, fed = [first[-1]], [], fed[-1:]
     vocab_map = params.get("vocab_map", np.arange(first.shape[-1]))
     for step in range(steps - 1):
         drafts.append(int(vocab_map[int(jnp.argmax(chain[-1]))]))
-        h, cache = head_pass(cfg, params, model, target_params, jnp.asarray([[drafts[-1]]]), fed[None],
-                             cache.with_lengths(jnp.asarray([size + step])), jnp.asarray([[size + step]]))
-        logits, fed = head_logits(cfg, params, h[0])
+        h, cache = jit_head_pass(cfg, params, model, target_params, jnp.asarray([[drafts[-1]]]), fed[None],
+                                 cache.with_lengths(jnp.asarray([size + step])), jnp.asarray([[size + step]]))
+        logits, fed = jit_head_logits(cfg, params, h[0])
         chain.append(logits[0])
     drafts.append(int(vocab_map[int(jnp.argmax(chain[-1]))]))
     return np.asarray(first), np.asarray(jnp.stack(chain)), drafts

@@ -14,14 +14,15 @@ the drafter's trained block size, at positions n-1 .. n+B-2) embedded with the t
 the context slots < n - 1 and every block token (bidirectional); block keys past what the row's budget
 leaves (``room + 2``) are hidden, as the reference cuts its last blocks. The final norm's output at
 block position i goes through the target's LM head (times ``logit_scale``, soft-capped when set) and
-gives the logits of draft i, i = 1 .. B - 1. `propose(gamma)` draws min(gamma, B - 1) drafts from those
-logits with `chain.draw_chain` (each position's processed law is q; greedy rows take the argmax), so one
-pass costs the same whatever gamma is; gamma is at most B - 1 (`max_drafts`: `--gamma auto` chooses among
+gives the logits of draft i, i = 1 .. B - 1. `propose(gamma)` draws gamma drafts from the first gamma of
+them with `chain.draw_chain` (each position's processed law is q; greedy rows take the argmax): one pass
+of the layers whatever gamma is, the LM head at gamma positions only; gamma is at most B - 1 (`max_drafts`: `--gamma auto` chooses among
 lengths up to it, `engine.shape.chain_gammas`). A block smaller than the trained one (`with_block`,
 `--dflash-block`) is the same pass over fewer masks. Chains only.
 
 Weights (H the draft's width, equal to the target's; Ht the target's, m target states; draft layers in
-`models.llama`'s stacked layout, q/k norms included)::
+`models.llama`'s stacked layout, q/k norms included, kept by the drafter as tuples of per-layer arrays,
+`split_layers`)::
 
     fc [H, m*Ht], hidden_norm [H], attn_norm .. w_down, q_norm, k_norm [n_layers, ...], norm [H]
 """
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext
 from specdec_jax.drafters.chain import draw_chain, empty_proposal
 from specdec_jax.kv_cache import KVCache
-from specdec_jax.models.llama import LlamaConfig, attention, layer_params, linear, param_shapes, rms_norm
+from specdec_jax.models.llama import LlamaConfig, attention, layer_params, linear, param_shapes, rms_norm, split_layers
 from specdec_jax.models.rope import apply_rope, rope_tables
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, TargetModel
@@ -110,9 +111,11 @@ def write_context(cfg: DFlashConfig, params, cache: KVCache, features: jax.Array
 
 
 def block_logits(cfg: DFlashConfig, params, target: TargetModel, target_params, tokens: jax.Array,
-                 positions: jax.Array, cache: KVCache, context: jax.Array, own: jax.Array) -> jax.Array:
-    """f32[B,S,V]: the logits at each block position of ``tokens i32[B,S]`` (at ``positions``) attending to
-    the cache slots ``context bool[B,S,T]`` allows and the block tokens ``own bool[B,S,S]`` allows."""
+                 positions: jax.Array, cache: KVCache, context: jax.Array, own: jax.Array,
+                 rows: slice = slice(None)) -> jax.Array:
+    """f32[B,R,V]: the logits at block positions ``rows`` (R of them; all S by default) of ``tokens i32[B,S]``
+    (at ``positions``) attending to the cache slots ``context bool[B,S,T]`` allows and the block tokens
+    ``own bool[B,S,S]`` allows. Only those rows go through the LM head, the pass's largest product."""
     layer, eps = cfg.layer, cfg.layer.rms_norm_eps
     batch, steps = tokens.shape
     x = target.embed(target_params, tokens).astype(jnp.float32) * cfg.embedding_scale
@@ -124,7 +127,8 @@ def block_logits(cfg: DFlashConfig, params, target: TargetModel, target_params, 
         x = x + linear(attn.reshape(batch, steps, -1), w["wo"])
         h = rms_norm(x, w["mlp_norm"], eps)
         x = x + linear(jax.nn.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
-    logits = target.logits_of(target_params, rms_norm(x, params["norm"], eps)).astype(jnp.float32) * cfg.logit_scale
+    logits = target.logits_of(target_params, rms_norm(x[:, rows], params["norm"], eps)).astype(jnp.float32)
+    logits = logits * cfg.logit_scale
     return logits if cfg.softcap is None else jnp.tanh(logits / cfg.softcap) * cfg.softcap
 
 
@@ -141,6 +145,9 @@ class DFlashDrafter(DrafterBase):
     config: DFlashConfig
     params: Any = dataclasses.field(compare=False, repr=False)
     name: str = "dflash"
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", split_layers(self.config.layer, self.params))
 
     @property
     def reads_hidden(self) -> tuple[int, ...]:
@@ -196,7 +203,8 @@ class DFlashDrafter(DrafterBase):
         shown = jnp.arange(block)[None, None, :] < jnp.minimum(ctx.room + 2, block)[:, None, None]
         logits = block_logits(cfg, params, ctx.target, ctx.target_params, tokens,
                               (n - 1)[:, None] + jnp.arange(block)[None, :], cache, context,
-                              jnp.broadcast_to(shown, (n.shape[0], block, block)))[:, 1:]
+                              jnp.broadcast_to(shown, (n.shape[0], block, block)), rows=slice(1, 1 + gamma))
+
         def following(carry, token, index):  # the logits of draft index + 2: already computed
             return jax.lax.dynamic_index_in_dim(carry, index + 1, axis=1, keepdims=False), carry
 
