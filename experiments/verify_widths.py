@@ -5,11 +5,15 @@ writes results.json and table.md to experiments/results/verify_widths (`--out`).
 
     python experiments/verify_widths.py [--batch-sizes 1 4] [--widths 1 2 3 5 9] [--capacity 512]
 
-SmolLM2-135M, rows of 64 random tokens, the pass timed as the loop runs it
+SmolLM2-135M (or `--model`), rows of 64 random tokens, the pass timed as the loop runs it
 (`engine.calibration.time_target_pass`: the cache read in a conditional, its
 block written back, the buffers donated); per (batch, width) the least of
 --rounds medians of 5 calls, so a busy moment of a shared machine does not
-count. Compare two revisions by running it at each (`git worktree add`).
+count. Compare two revisions by running it at each (`git worktree add`, the revision's package
+first on PYTHONPATH), e.g. for Qwen2.5-Coder-1.5B with and without the CPU's padded rows:
+
+    python experiments/verify_widths.py --model qwen2.5-coder-1.5b --batch-sizes 1 \\
+        --widths 1 2 4 5 8 9 13 16 --out experiments/results/verify_widths/qwen_1.5b
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from specdec_jax.models import load_model
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     parser.add_argument("--capacity", type=int, default=512)
@@ -36,8 +41,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if min(args.widths) < 1 or 1 not in args.widths:
         parser.error("--widths must be >= 1 and include 1 (T1)")
-    target = load_model("smollm2-135m")
-    rows, payload = [], {"capacity": args.capacity, "ms": {}}
+    target = load_model(args.model)
+    rows, payload = [], {"model": args.model, "capacity": args.capacity, "ms": {}}
     for batch in args.batch_sizes:
         prompts = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, 64)).tolist()
         run = prepare(target, prompts, NgramDrafter(), gamma=max(args.widths) - 1, max_new_tokens=64,

@@ -544,3 +544,17 @@ def test_with_output_vocab_keeps_the_first_ids_and_the_stop_ids_with_the_same_lo
     np.testing.assert_allclose(got, np.asarray(want)[..., ids], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="reduced already"):
         reduced.with_output_vocab(50)
+
+
+@pytest.mark.parametrize("shape, rows", [((1, 5, 24), 8), ((1, 7, 24), 8), ((1, 9, 24), 16), ((1, 15, 24), 16),
+                                         ((1, 4, 24), 4), ((1, 8, 24), 8), ((1, 17, 24), 17), ((2, 5, 24), 5),
+                                         ((1, 1, 6, 24), 8)])
+def test_a_sequence_of_5_to_15_rows_is_multiplied_padded_on_cpu_and_each_row_is_its_own_product(shape, rows):
+    from specdec_jax.models.layers import cpu_rows, linear
+
+    assert cpu_rows(shape) == (rows if jax.default_backend() == "cpu" else shape[-2])
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(shape, np.float32), rng.standard_normal((40, shape[-1]), np.float32)
+    got = jax.jit(linear)(jnp.asarray(x), jnp.asarray(w))
+    assert got.shape == shape[:-1] + (40,)
+    np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-5, atol=1e-5)

@@ -14,11 +14,30 @@ import jax
 import jax.numpy as jnp
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., in] @ w.T`` for ``w [out, in]``, computed as ``w . x`` (``[out, ...]``, x's axes kept)
-    and transposed back: the form XLA CPU runs at matrix-vector speed for a few rows (module
-    docstring); flattening x's rows first ([out, B*S]) runs slower on it."""
-    return jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x), 0, -1)
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """``x [..., S, in] @ w.T`` for ``w [out, in]``, computed as ``w . x`` (``[out, ...]``, x's axes kept)
+    and transposed back: the form XLA CPU runs at matrix-vector speed for a few rows; flattening x's
+    rows first ([out, B*S]) runs slower on it. ``out_dtype``: the product's dtype (default x's and w's).
+
+    On a CPU, one sequence's S rows are padded to :func:`cpu_rows` first and the padding's outputs
+    dropped: each output row is its own dot product, so the others do not change."""
+    rows = x.shape[-2] if x.ndim >= 2 else 1
+    padded = cpu_rows(x.shape)
+    if padded != rows:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, padded - rows), (0, 0)])
+    y = jnp.moveaxis(jnp.einsum("oi,...i->o...", w, x, preferred_element_type=out_dtype), 0, -1)
+    return y[..., :rows, :] if padded != rows else y
+
+
+def cpu_rows(shape: tuple[int, ...]) -> int:
+    """The rows a product of ``x: shape [..., S, in]`` runs with: on XLA CPU, for one sequence (the axes
+    before S of size 1), 5-7 rows become 8 and 9-15 become 16, because its kernel for those counts
+    reads the weights more slowly than for 8 or 16 (Qwen2.5-Coder-1.5B: a pass of 5 tokens cost 1.46
+    T1 and of 8 tokens 1.12 T1; padded, 5 tokens cost 1.15 T1; docs/design.md section 8). Elsewhere S."""
+    rows = shape[-2] if len(shape) >= 2 else 1
+    if len(shape) < 2 or math.prod(shape[:-2]) != 1 or jax.default_backend() != "cpu":
+        return rows
+    return 8 if 4 < rows < 8 else 16 if 8 < rows < 16 else rows
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

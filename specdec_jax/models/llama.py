@@ -317,7 +317,7 @@ def split_layers(cfg: LlamaConfig, params: Mapping) -> dict:
 def lm_head(cfg: LlamaConfig, params: Mapping[str, jax.Array], normed: jax.Array) -> jax.Array:
     """f32[B,S,V] logits (``[B,S,Vo]`` with a reduced output vocabulary) of final-norm states ``[B,S,H]``."""
     head = params["embed"] if cfg.tie_embeddings else params["lm_head"]  # [V or Vo, H]: [out, in]
-    return jnp.moveaxis(jnp.einsum("oi,...i->o...", head, normed, preferred_element_type=jnp.float32), 0, -1)
+    return linear(normed, head, out_dtype=jnp.float32)
 
 
 def forward(
