@@ -6,7 +6,7 @@ experiments/README.md; writes results.json and table.md to experiments/results/r
 
     python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
     python experiments/round_overhead.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
-        --batches 1 --capacities 512 --out experiments/results/round_overhead_pair
+        --batches 1 --capacities 512 --rounds 32 --out experiments/results/round_overhead_pair
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
@@ -15,8 +15,8 @@ batch size and KV capacity this times, on SmolLM2-135M with the n-gram drafter
 (or `--model` with the draft model `--draft-model`, which skips the rounds that
 draft nothing and catches up every few of them: `drafters.model`) and rows of
 64 random tokens, rounds in a loop as the decoding loop runs them
-(`engine.calibration.time_rounds`' method: 8 rounds per timed call, the state
-donated): plain rounds, and auto rounds forced to draft and verify nothing
+(`engine.calibration.time_rounds`' method: 8 rounds, or `--rounds`, per timed call from the prefilled
+state, the state donated): plain rounds, and auto rounds forced to draft and verify nothing
 (`DecodeState.forced_shape` (0, 0)), and auto rounds forced to the widest shape.
 The two programs alternate, so a change in the machine's load hits both; medians
 of ``--repeats``.
@@ -43,16 +43,14 @@ from specdec_jax.engine.calibration import CALIBRATION_PROMPT, CALIBRATION_ROUND
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models import load_model
 
-ROUNDS = CALIBRATION_ROUNDS
 
-
-def loop_of_rounds(run):
-    """A jitted ``state -> state`` of ROUNDS rounds of ``run``'s program, the state donated."""
+def loop_of_rounds(run, rounds: int):
+    """A jitted ``state -> state`` of ``rounds`` rounds of ``run``'s program, the state donated."""
     return jax.jit(lambda params, state: jax.lax.fori_loop(
-        0, ROUNDS, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
+        0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
 
 
-def time_programs(programs: dict, repeats: int) -> dict:
+def time_programs(programs: dict, repeats: int, rounds: int) -> dict:
     """Median seconds per round of each ``name -> (step, fresh_state)``, timed in turn."""
     for step, fresh in programs.values():  # compile and warm up
         jax.block_until_ready(step(fresh()))
@@ -62,7 +60,7 @@ def time_programs(programs: dict, repeats: int) -> dict:
             state = jax.block_until_ready(fresh())
             start = time.perf_counter()
             jax.block_until_ready(step(state))
-            times[name].append((time.perf_counter() - start) / ROUNDS)
+            times[name].append((time.perf_counter() - start) / rounds)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -73,6 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=CALIBRATION_ROUNDS,
+                        help="rounds per timed call, from the prefilled state (a draft model catches up about every "
+                             "15th plain round: 32 counts two catch-ups)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "round_overhead")
     args = parser.parse_args(argv)
 
@@ -90,18 +91,18 @@ def main(argv=None) -> int:
         for batch in args.batches:
             prompts = np.random.default_rng(0).integers(0, target.config.vocab_size,
                                                         (batch, CALIBRATION_PROMPT)).tolist()
-            budget = ROUNDS * (max(gammas) + 1) + 2
+            budget = args.rounds * (max(gammas) + 1) + 2
             plain = prepare(target, prompts, None, gamma=0, max_new_tokens=budget, capacity=capacity)
             auto = prepare(target, prompts, drafter, policy=policy, max_new_tokens=budget, capacity=capacity)
             copy = lambda run, **kw: jax.tree.map(jnp.copy, run.state.replace(**kw))  # noqa: E731
             forced = lambda d, v: jnp.array([d, v], jnp.int32)  # noqa: E731
-            plain_step, auto_step = loop_of_rounds(plain), loop_of_rounds(auto)
+            plain_step, auto_step = loop_of_rounds(plain, args.rounds), loop_of_rounds(auto, args.rounds)
             seconds = time_programs({
                 "plain": (lambda s: plain_step(plain.params, s), lambda: copy(plain)),
                 "auto_none": (lambda s: auto_step(auto.params, s), lambda: copy(auto, forced_shape=forced(0, 0))),
                 "auto_widest": (lambda s: auto_step(auto.params, s),
                                 lambda: copy(auto, forced_shape=forced(widest, widest))),
-            }, args.repeats)
+            }, args.repeats, args.rounds)
             record = {"batch": batch, "capacity": capacity, **{f"{k}_ms": 1e3 * v for k, v in seconds.items()},
                       "none_over_plain": seconds["auto_none"] / seconds["plain"],
                       "widest_over_plain": seconds["auto_widest"] / seconds["plain"]}
