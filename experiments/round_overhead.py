@@ -6,7 +6,7 @@ experiments/README.md; writes results.json and table.md to experiments/results/r
 
     python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
     python experiments/round_overhead.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
-        --batches 1 --capacities 512 --rounds 32 --out experiments/results/round_overhead_pair
+        --batches 1 --capacities 512 --rounds 32 --catch-up 16 --out experiments/results/round_overhead_pair
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
@@ -25,6 +25,7 @@ of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--catch-up", type=int, default=None, help="the draft model's catch_up (default its own)")
     parser.add_argument("--rounds", type=int, default=CALIBRATION_ROUNDS,
                         help="rounds per timed call, from the prefilled state (a draft model catches up about every "
                              "15th plain round: 32 counts two catch-ups)")
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     else:
         draft = load_model(args.draft_model)
         drafter, draft_cost = ModelDrafter(draft.config, draft.model.params()), 1.0
+        if args.catch_up is not None:
+            drafter = dataclasses.replace(drafter, catch_up=args.catch_up)
     gammas = AUTO_GAMMAS
     policy = ShapePolicy(gammas, (1.0,) * len(gammas), (0.0,) + (draft_cost,) * (len(gammas) - 1))
     widest = len(gammas) - 1

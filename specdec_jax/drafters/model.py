@@ -11,11 +11,14 @@ starts at slot 0.
 A round that drafts nothing (gamma 0, the shape policy's plain round) does not
 run the draft: the cache falls behind by the round's token, and the next
 drafting round feeds what it missed: its window of `WINDOW` tokens when that
-reaches its t0, else a window of ``catch_up`` (default 16). When the next round
-would lack more than ``catch_up`` tokens, the plain round catches up instead:
-one pass over ``catch_up`` tokens, without the output head, about every
-``catch_up`` - 1 plain rounds (on a CPU a pass of 16 tokens costs about 1.5 of
-4: cheaper than a 4-token catch-up every 4th plain round). The cache's ``lengths`` is the first slot it
+reaches its t0, else a window of ``catch_up``. When the next round would lack
+more than ``catch_up`` tokens, the plain round catches up instead: one pass
+over ``catch_up`` tokens, without the output head, about every ``catch_up`` - 1
+plain rounds. The default, `WINDOW`, catches up 4 tokens every 4th plain round;
+16 makes a plain round cheaper (on a CPU a pass of 16 tokens costs about 1.6 of
+4) but then the shape policy, whose plain round got cheaper, can price a
+1-draft round above what its prior expects and stop drafting for good
+(docs/shape_policy.md, "Fixed costs"). The cache's ``lengths`` is the first slot it
 lacks, or one past the drafts it fed (the next round's window then starts at
 its t0's slot - 1). The logits of t0 are read from the window's final-norm
 state at t0 alone.
@@ -76,7 +79,7 @@ class ModelDrafter(DrafterBase):
     corrupt_alpha: float | None = None
     name: str = "draft-model"
     tree: TreeShape | None = None
-    catch_up: int = 16
+    catch_up: int = WINDOW
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
