@@ -4,7 +4,7 @@ Makes the entries "How many tokens per round does Qwen2.5-Coder-0.5B give its 1.
 "Does the same-family pair pay in wall-clock time on this CPU?" of experiments/README.md; writes to
 experiments/results/qwen_pair (`--out`):
 
-    python experiments/qwen_pair.py speed        # --gamma auto against plain decoding, side by side (bench)
+    python experiments/qwen_pair.py speed        # --gamma auto against plain decoding, side by side (bench; --draft-vocab)
     python experiments/qwen_pair.py acceptance   # tokens per round at gamma 2, 3, 4 per category (after speed)
     python experiments/qwen_pair.py peer         # transformers greedy and assisted generation (after speed)
     python experiments/qwen_pair.py variants     # the coding prompts at gamma 3: float32, --draft-vocab, bfloat16
@@ -219,8 +219,9 @@ def run_speed(args) -> dict:
 
     with prompts_file(questions(args, args.max_prompt_tokens)) as path:
         cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto",
-                        max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
-        return bench(cfg, repeats=args.repeats)
+                        draft_vocab=args.draft_vocab, max_new_tokens=args.max_new_tokens, prompts_file=str(path),
+                        seed=args.seed)
+        return {**bench(cfg, repeats=args.repeats), "draft_vocab": args.draft_vocab}
 
 
 VARIANTS = ({"dtype": "float32", "draft_vocab": 0}, {"dtype": "float32", "draft_vocab": 32768},
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
                         help="variants: indices into VARIANTS (kept results of the others are kept)")
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="speed: the draft's output ids (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "qwen_pair")
     args = parser.parse_args(argv)

@@ -31,6 +31,9 @@ already there), table.md, tree_shapes.png and, when timed, one bench report per 
         --out experiments/results/tree_shapes/tokens_ngram
     python experiments/tree_shapes.py --drafter medusa --shapes t16x4x4 --per-category 1 \\
         --out experiments/results/tree_shapes/timed_medusa
+    python experiments/tree_shapes.py --tokens-only --model qwen2.5-coder-1.5b --drafter draft-model \\
+        --draft-model qwen2.5-coder-0.5b --shapes g3 t7x3x2 t15x4x4 --categories coding --per-category 4 \\
+        --widths 1 4 8 16 --out experiments/results/tree_shapes/tokens_pair
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def verify_cost_curve(model: str, widths: list[int], context: int = 200) -> dict
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=run_config().model, help="the target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", nargs="+", default=["ngram"], choices=DRAFTERS, help="one or more drafters")
     parser.add_argument("--draft-model", default=None,
                         help="with one drafter: its model or head (default: the recipe's, in the cache)")
@@ -93,7 +97,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    curve = verify_cost_curve(run_config().model, args.widths)
+    curve = verify_cost_curve(args.model, args.widths)
     summary["verify_cost"] = {str(w): t / curve[1] for w, t in curve.items()}
     summary["T1_ms"] = 1000 * curve[1]
     # Spec-Bench text is read at run time, never committed
@@ -103,7 +107,7 @@ def main(argv=None) -> int:
             if drafter == "medusa" and args.tree_choices is not None:
                 mine[f"c{args.tree_choices.stem}"] = {"tree_choices": str(args.tree_choices)}
             for shape, fields in mine.items():
-                cfg = run_config(drafter=drafter, draft_model=draft_models[drafter],
+                cfg = run_config(model=args.model, drafter=drafter, draft_model=draft_models[drafter],
                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
                                 ngram_min=args.ngram_min, **fields)
                 name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != DrafterSettings.ngram_min
