@@ -18,7 +18,7 @@ plain rounds. The default, `WINDOW`, catches up 4 tokens every 4th plain round;
 16 makes a plain round cheaper (on a CPU a pass of 16 tokens costs about 1.6 of
 4) but then the shape policy, whose plain round got cheaper, can price a
 1-draft round above what its prior expects and stop drafting for good
-(docs/shape_policy.md, "Fixed costs"). The cache's ``lengths`` is the first slot it
+(docs/shape_policy.md, "A prior below the break-even"). The cache's ``lengths`` is the first slot it
 lacks, or one past the drafts it fed (the next round's window then starts at
 its t0's slot - 1). The logits of t0 are read from the window's final-norm
 state at t0 alone.
