@@ -108,9 +108,12 @@ class ModelDrafter(DrafterBase):
         cache = cache.with_lengths(start)
         if gamma == 0:
             return empty_proposal(n.shape[0]), self._fall_behind(params, cache, ctx.tokens, n)
-        at_t0, cache = jax.lax.cond(jnp.all(n + 1 - start <= WINDOW),
-                                    lambda c: self._feed(params, c, ctx.tokens, n, WINDOW),
-                                    lambda c: self._feed(params, c, ctx.tokens, n, self.catch_up), cache)
+        if self.catch_up == WINDOW:  # plain rounds keep the cache within the window: no wide branch to compile
+            at_t0, cache = self._feed(params, cache, ctx.tokens, n, WINDOW)
+        else:
+            at_t0, cache = jax.lax.cond(jnp.all(n + 1 - start <= WINDOW),
+                                        lambda c: self._feed(params, c, ctx.tokens, n, WINDOW),
+                                        lambda c: self._feed(params, c, ctx.tokens, n, self.catch_up), cache)
         logits = lm_head(self.config, params, at_t0)[:, 0]  # f32[B,Vo]
 
         def feed(cache, token, index):  # draft index + 1 at slot n + 1 + index
