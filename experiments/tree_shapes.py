@@ -32,8 +32,9 @@ already there), table.md, tree_shapes.png and, when timed, one bench report per 
     python experiments/tree_shapes.py --drafter medusa --shapes t16x4x4 --per-category 1 \\
         --out experiments/results/tree_shapes/timed_medusa
     python experiments/tree_shapes.py --tokens-only --model qwen2.5-coder-1.5b --drafter draft-model \\
-        --draft-model qwen2.5-coder-0.5b --shapes g3 t7x3x2 t15x4x4 --categories coding --per-category 4 \\
-        --widths 1 4 8 16 --out experiments/results/tree_shapes/tokens_pair
+        --draft-model qwen2.5-coder-0.5b --draft-vocab 32768 --shapes g2 g3 g4 t4x2x2 t8x3x2 t16x4x4 \\
+        --categories coding writing --per-category 3 --widths 1 3 4 5 8 9 16 17 \\
+        --out experiments/results/tree_shapes/tokens_pair
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens-only", action="store_true", help="tokens per round only (no timing)")
     parser.add_argument("--ngram-min", type=int, default=DrafterSettings.ngram_min, help="shortest n-gram the lookup tries")
+    parser.add_argument("--draft-vocab", type=int, default=DrafterSettings.draft_vocab,
+                        help="a draft model's head over its first N ids (the Qwen pair's default: 32768)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "tree_shapes")
     args = parser.parse_args(argv)
     if args.tree_choices is not None and "medusa" not in args.drafter:
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
             for shape, fields in mine.items():
                 cfg = run_config(model=args.model, drafter=drafter, draft_model=draft_models[drafter],
                                 max_new_tokens=args.max_new_tokens, prompts_file=str(prompts),
-                                ngram_min=args.ngram_min, **fields)
+                                ngram_min=args.ngram_min, draft_vocab=args.draft_vocab, **fields)
                 name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != DrafterSettings.ngram_min
                                                else "")
                 summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only

@@ -143,6 +143,25 @@ def test_penalised_greedy_auto_equals_plain_decoding():
     assert out.metrics.mean_accepted_length > 3.0, out.metrics
 
 
+def test_a_default_prior_below_the_break_even_is_raised_to_probe():
+    """One draft costing 1.7 T1 pays from a = 0.7 (E(1) = 1 + a); two cost 2.21 T1 and pay from
+    1 + a + a^2 = 2.21, a = 0.7: the default prior 0.5 would never draft, the raised one drafts in
+    the first round and stops once its drafts fail; a given prior is kept as given."""
+    dear = ShapePolicy((0, 1, 2), (1.0, 1.5, 1.61), (0.0, 0.2, 0.6))
+    assert shape.break_even(dear) == pytest.approx(0.7, abs=1e-3)
+    assert dear.prior == pytest.approx(0.7 + shape.PROBE_MARGIN, abs=1e-3)
+    live, room = jnp.array([True]), jnp.array([8])
+    assert int(shape.choose_draft(dear, dear.initial(1), live, room)) > 0
+    failed = shape.update(dear, dear.initial(1), live, jnp.array([1]), jnp.array([0]))
+    assert int(shape.choose_draft(dear, failed, live, room)) == 0
+    assert ShapePolicy((0, 1, 2), (1.0, 1.5, 1.61), (0.0, 0.2, 0.6), prior=0.5).prior == 0.5
+    assert policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.1, 1.2, 1.3)).prior == shape.CHAIN_PRIOR  # cheap: as it was
+    # a tree drafts its whole proposal whatever it verifies: 3 nodes for 2.5 T1 pay from 1 + a + a^2 + a^3 = 2.5
+    tree = ShapePolicy((0, 3), (1.0, 1.5), (0.0, 1.0), tree=True)
+    assert shape.break_even(tree) == pytest.approx(0.6914, abs=1e-3)
+    assert shape.break_even(ShapePolicy((0, 1), (1.0, 2.5), (0.0, 0.0))) == 1.0  # never pays
+
+
 def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
     # one draft pays from a > 0.4; a prior of 0.7 (not the default 0.5) opens with the widest chain
     costs = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8), prior=0.7)

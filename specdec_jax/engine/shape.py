@@ -38,7 +38,10 @@ Each round, on device:
    and the estimate of position i - 1 (weight `follow`): depths not tried lately
    are assumed as good as the depth above them, or the prior (conditional
    acceptance tends to grow with depth: a copy that started goes on), so a row
-   that accepts well is soon offered a longer chain.
+   that accepts well is soon offered a longer chain. The default prior sits at
+   least `PROBE_MARGIN` above the acceptance at which drafting breaks even
+   (`break_even`), so that a row probes where drafting is dear instead of never
+   drafting.
 
 A token tree is just another shape (`tree=True`, docs/design.md section 10): gammas
 are node counts, and a tree drafter orders its nodes so that every prefix is
@@ -66,6 +69,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The shapes `gamma="auto"` compiles: verify widths 1 to 5. Every width up to 5 is a candidate because the cost of
 # a width need not grow with it (XLA CPU multiplies up to 4 rows at about matrix-vector speed and 5 rows by another
@@ -105,6 +109,9 @@ FREE_DRAFTS = 0.02  # a proposal of G tokens costing at most this many T1 is tre
 # never tries its widest sizes.
 CHAIN_PRIOR = 0.5
 TREE_PRIOR = 0.7
+# Where drafting is dear, a default prior is raised to this much above the break-even acceptance (`break_even`), so
+# that a row probes once at the start and again after its estimates relax, instead of never drafting.
+PROBE_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +121,8 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    # acceptance assumed before a position is observed; None: CHAIN_PRIOR, or TREE_PRIOR for a tree
+    # acceptance assumed before a position is observed; None: CHAIN_PRIOR (TREE_PRIOR for a tree), or
+    # `break_even` + PROBE_MARGIN where that is higher
     prior: float | None = None
     learn: float = 0.25  # weight of a new observation
     relax: float = 0.01  # per-round pull of an unobserved position 1 toward the prior
@@ -127,14 +135,15 @@ class ShapePolicy:
         object.__setattr__(self, "gammas", gammas)
         object.__setattr__(self, "verify_cost", tuple(float(c) for c in self.verify_cost))
         object.__setattr__(self, "draft_cost", tuple(float(c) for c in self.draft_cost))
-        if self.prior is None:
-            object.__setattr__(self, "prior", TREE_PRIOR if self.tree else CHAIN_PRIOR)
         if not gammas or gammas[0] != 0 or any(b <= a for a, b in zip(gammas, gammas[1:])):
             raise ValueError(f"gammas must ascend strictly from 0, got {gammas}")
         if not len(self.verify_cost) == len(self.draft_cost) == len(gammas):
             raise ValueError("verify_cost and draft_cost need one entry per gamma")
         if min(self.verify_cost) <= 0 or min(self.draft_cost) < 0:
             raise ValueError("verify costs must be > 0 and draft costs >= 0")
+        if self.prior is None:
+            default = TREE_PRIOR if self.tree else CHAIN_PRIOR
+            object.__setattr__(self, "prior", min(1.0, max(default, break_even(self) + PROBE_MARGIN)))
         for name in ("prior", "learn", "relax", "follow"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -154,6 +163,30 @@ class ShapePolicy:
             return jnp.full((batch, self.max_gamma), self.prior, jnp.float32)
         marginal = self.prior ** jnp.arange(1, self.max_gamma + 1, dtype=jnp.float32)
         return jnp.broadcast_to(marginal, (batch, self.max_gamma))
+
+
+def break_even(policy: ShapePolicy, tolerance: float = 1e-4) -> float:
+    """The acceptance ``a`` at which the best drafting shape first pays as well as a plain round,
+    when every position's estimate is the prior's shape at ``a`` (a chain: ``a`` per position; a
+    tree: node i at a^(i+1)): both give E(g) = 1 + a + ... + a^g, against a shape's drafting plus
+    verify cost (a tree's whole proposal is drafted whatever size is verified). 1.0 where no
+    shape pays even at a = 1; 0.0 where one pays at a = 0."""
+    gammas = np.asarray(policy.gammas[1:], float)
+    draft = np.full_like(gammas, policy.draft_cost[-1]) if policy.tree else np.asarray(policy.draft_cost[1:])
+    cost = draft + np.asarray(policy.verify_cost[1:])
+    plain = 1.0 / (policy.draft_cost[0] + policy.verify_cost[0])
+
+    def pays(a: float) -> bool:
+        tokens = (1.0 - a ** (gammas + 1)) / (1.0 - a) if a < 1.0 else gammas + 1.0
+        return bool(np.max(tokens / cost) > plain)
+
+    if not pays(1.0):
+        return 1.0
+    low, high = 0.0, 1.0  # pays(high) holds
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (low, middle) if pays(middle) else (middle, high)
+    return high
 
 
 def expected_tokens(acceptance: jax.Array, limit: jax.Array, gammas: tuple[int, ...], tree: bool = False,
