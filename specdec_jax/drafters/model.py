@@ -15,10 +15,11 @@ reaches its t0, else a window of ``catch_up``. When the next round would lack
 more than ``catch_up`` tokens, the plain round catches up instead: one pass
 over ``catch_up`` tokens, without the output head, about every ``catch_up`` - 1
 plain rounds. The default, `WINDOW`, catches up 4 tokens every 4th plain round;
-16 makes a plain round cheaper (on a CPU a pass of 16 tokens costs about 1.6 of
-4) but then the shape policy, whose plain round got cheaper, can price a
-1-draft round above what its prior expects and stop drafting for good
-(docs/shape_policy.md, "A prior below the break-even"). The cache's ``lengths`` is the first slot it
+16 makes a plain round about 5% cheaper (on a CPU a pass of 16 tokens costs
+about 1.6 of 4) but its wide branch in every drafting round made the Qwen pair's
+speculative program compile in about 250 s instead of 45 s, for no speedup
+one-repeat runs could resolve (experiments/README.md, "Does the 0.5B drafting
+for the 1.5B pay in wall-clock time on this CPU?"). The cache's ``lengths`` is the first slot it
 lacks, or one past the drafts it fed (the next round's window then starts at
 its t0's slot - 1). The logits of t0 are read from the window's final-norm
 state at t0 alone.
