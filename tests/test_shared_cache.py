@@ -120,8 +120,8 @@ def test_builders_killed_before_publishing_leave_no_entry_and_a_waiter_heals_bot
     for proc in killed:
         proc.kill()
         proc.wait()
-    for folder in (store / "converted", store / "datastores"):
-        assert [p for p in folder.iterdir() if p.name.endswith(".partial")], list(folder.iterdir())
+    # no look at the folders here: the waiter takes a dead holder's lock at once and may already have removed
+    # its partial; its two "removed an unfinished build" lines below say the partials were there
     healed, err = finish(waiter)
     assert "the converted model.gguf: removed an unfinished build" in err, err
     assert "the datastore index of " in err and err.count("removed an unfinished build") == 2, err
