@@ -114,14 +114,14 @@ def test_builders_killed_before_publishing_leave_no_entry_and_a_waiter_heals_bot
     release(inputs, 2)
     for proc in killed:
         wait_for_line(proc.stdout, "publishing")  # its partial is whole; it holds the entry's lock
+    for folder in (store / "converted", store / "datastores"):  # while the builders hold their locks
+        assert [p for p in folder.iterdir() if p.name.endswith(".partial")], list(folder.iterdir())
     waiter = start(inputs, store, ["convert", "datastore"])
     said = wait_for_line(waiter.stderr, "waiting for")
     assert f"waiting for the converted model.gguf: pid {killed[0].pid} on " in said, said
     for proc in killed:
         proc.kill()
         proc.wait()
-    # no look at the folders here: the waiter takes a dead holder's lock at once and may already have removed
-    # its partial; its two "removed an unfinished build" lines below say the partials were there
     healed, err = finish(waiter)
     assert "the converted model.gguf: removed an unfinished build" in err, err
     assert "the datastore index of " in err and err.count("removed an unfinished build") == 2, err

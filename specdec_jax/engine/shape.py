@@ -71,6 +71,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.theory import expected_tokens_per_round
+
 # The shapes `gamma="auto"` compiles: verify widths 1 to 5. Every width up to 5 is a candidate because the cost of
 # a width need not grow with it (XLA CPU multiplies up to 4 rows at about matrix-vector speed and 5 rows by another
 # kernel; measured in docs/design.md section 8), so gamma 3 can pay where 4 loses.
@@ -171,13 +173,13 @@ def break_even(policy: ShapePolicy, tolerance: float = 1e-4) -> float:
     tree: node i at a^(i+1)): both give E(g) = 1 + a + ... + a^g, against a shape's drafting plus
     verify cost (a tree's whole proposal is drafted whatever size is verified). 1.0 where no
     shape pays even at a = 1; 0.0 where one pays at a = 0."""
-    gammas = np.asarray(policy.gammas[1:], float)
-    draft = np.full_like(gammas, policy.draft_cost[-1]) if policy.tree else np.asarray(policy.draft_cost[1:])
-    cost = draft + np.asarray(policy.verify_cost[1:])
+    gammas = policy.gammas[1:]
+    draft = [policy.draft_cost[-1]] * len(gammas) if policy.tree else policy.draft_cost[1:]
+    cost = np.asarray(draft) + np.asarray(policy.verify_cost[1:])
     plain = 1.0 / (policy.draft_cost[0] + policy.verify_cost[0])
 
     def pays(a: float) -> bool:
-        tokens = (1.0 - a ** (gammas + 1)) / (1.0 - a) if a < 1.0 else gammas + 1.0
+        tokens = np.asarray([expected_tokens_per_round(a, g) for g in gammas])
         return bool(np.max(tokens / cost) > plain)
 
     if not pays(1.0):
