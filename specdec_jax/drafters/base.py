@@ -15,6 +15,10 @@ the compiled program as inputs rather than as constants:
     check(target: TargetModel, mesh | None)  ValueError unless it can draft for this target
                                              (vocabulary, widths, mesh axes)
     init(params, prefill: PrefillContext) -> state
+    resume(params, state, ctx: DraftContext, drafting) -> state
+                                             with a shape policy, before each proposal (drafting: bool[],
+                                             whether it has drafts): a drafter that skips the rounds
+                                             without drafts catches up here, compiled once for all sizes
     propose(params, state, ctx: DraftContext, gamma) -> (Proposal, state)
     commit(params, state, outcome: RoundOutcome) -> state
     observe(outputs: list[list[int]])        after each generate call, the rows' emitted tokens (host
@@ -27,7 +31,8 @@ declares in `reads_hidden`, and hands them over twice: those of the prompt to
 `init`, and each round those of the tokens the last verify pass committed in
 `DraftContext.features`. `commit` runs after every verification (the drafter
 can update its own caches from what was accepted). `DrafterBase` supplies the
-defaults: no hidden states, chains, no checks, `commit` leaves the state unchanged, `observe` does nothing.
+defaults: no hidden states, chains, no checks, `resume` and `commit` leave the state unchanged, `observe` does
+nothing.
 
 A tree drafter's `propose` gets gamma = tree.nodes and returns that many nodes
 (`Proposal.parents`); the engine verifies the tree and hands `commit` the
@@ -35,8 +40,10 @@ accepted path as if it had been a chain: `RoundOutcome.features` and the
 target's cache hold [t0, path] in order.
 
 `propose` may be called with gamma 0 (a round in which the engine's shape
-policy, `engine.shape`, does not speculate): it returns no drafts but keeps its
-state in step with the committed tokens, as a drafter with its own cache must.
+policy, `engine.shape`, does not speculate): it returns no drafts, and either
+keeps its state in step with the committed tokens or lets it fall behind and
+catches up in `resume` when drafting resumes (the draft model does:
+`drafters.model`).
 
 A drafter keeps no committed length of its own: `ctx.num_tokens` says what is
 committed, so rejected drafts are rolled back for free (docs/design.md section 2).
@@ -125,6 +132,8 @@ class Drafter(Protocol):
 
     def init(self, params, prefill: PrefillContext) -> Any: ...
 
+    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array) -> Any: ...
+
     def propose(self, params, state, ctx: DraftContext, gamma: int) -> tuple[Proposal, Any]: ...
 
     def commit(self, params, state, outcome: RoundOutcome) -> Any: ...
@@ -142,6 +151,10 @@ class DrafterBase:
 
     def check(self, target: TargetModel, mesh) -> None:
         """Nothing to check."""
+
+    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array):
+        """The state is unchanged (it never falls behind)."""
+        return state
 
     def commit(self, params, state, outcome: RoundOutcome):
         """The state is unchanged."""

@@ -6,23 +6,19 @@ drafted tokens. After a drafting round the cache lacks at most slot n-1, which
 holds the previous round's last draft d_gamma when all drafts were accepted:
 that token was never fed to the drafter (the all-accepted trap of docs/design.md
 section 2); the window rewrites it. With a 1-token prompt (n = 0) the window
-starts at slot 0.
+starts at slot 0. The cache's ``lengths`` is the first slot it lacks, or one
+past the drafts it fed (the first slot it lacks is then at most t0's slot - 1).
+The logits of t0 are read from the window's final-norm state at t0 alone.
 
 A round that drafts nothing (gamma 0, the shape policy's plain round) does not
-run the draft: the cache falls behind by the round's token, and the next
-drafting round feeds what it missed: its window of `WINDOW` tokens when that
-reaches its t0, else a window of ``catch_up``. When the next round would lack
-more than ``catch_up`` tokens, the plain round catches up instead: one pass
-over ``catch_up`` tokens, without the output head, about every ``catch_up`` - 1
-plain rounds. The default, `WINDOW`, catches up 4 tokens every 4th plain round;
-16 makes a plain round about 5% cheaper (on a CPU a pass of 16 tokens costs
-about 1.6 of 4) but its wide branch in every drafting round made the Qwen pair's
-speculative program compile in about 250 s instead of 45 s, for no speedup
-one-repeat runs could resolve (experiments/README.md, "Does the 0.5B drafting
-for the 1.5B pay in wall-clock time on this CPU?"). The cache's ``lengths`` is the first slot it
-lacks, or one past the drafts it fed (the next round's window then starts at
-its t0's slot - 1). The logits of t0 are read from the window's final-norm
-state at t0 alone.
+run the draft at all: its cache falls one token behind. A round that drafts
+again first catches up (`resume`, run once per round before the proposal, so
+compiled once whatever the proposal's size): passes of ``catch_up`` tokens from
+each row's first missing slot until every row's window reaches its t0. The cache
+may fall behind by any number of tokens (it is bounded by the capacity): a run
+of plain rounds costs the target's steps alone, the catching up is paid only
+when drafting resumes (never, when the row ends first), and a pass of 16 tokens
+costs on a CPU about 1.6 passes of 4 (docs/design.md section 2).
 
 A draft with a reduced output vocabulary (`LlamaConfig.output_vocab_size`, the
 `vocab_map` weight) draws among its Vo ids and maps them to target ids; its law
@@ -37,8 +33,8 @@ follow the closed form `(1 - alpha^(gamma+1)) / (1 - alpha)`.
 With a `TreeShape` the draft grows EAGLE-2's dynamic tree from its own logits
 (`drafters.dynamic_tree`): the tree's nodes are scored under the ancestor mask
 without writing the draft's cache, so each round first re-encodes the tokens
-the last round committed (a block of depth + 1 slots ending at t0) in place of
-the 2-token window.
+the last round committed (a block of depth + 1 slots from the first slot the
+cache lacks, ending at or past t0) in place of the chain's window.
 """
 
 from __future__ import annotations
@@ -61,6 +57,7 @@ from specdec_jax.token_tree import TreeShape
 # Tokens a drafting round's window feeds: t0 and up to WINDOW - 1 it missed (module docstring). On a CPU a pass
 # of up to 4 tokens costs about what one token's does (docs/design.md section 8).
 WINDOW = 4
+CATCH_UP = 16  # tokens per catch-up pass (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +68,7 @@ class ModelDrafter(DrafterBase):
     corrupt_alpha: None for a real draft model (drafts drawn from its processed
       law q); a float for the oracle (greedy proposals kept with probability
       alpha, q a point mass).
-    catch_up: the most tokens the cache may lack at a round's t0 (t0 included),
-      the width of a catch-up pass (module docstring); at least WINDOW.
+    catch_up: the width of a catch-up pass (module docstring).
     """
 
     config: LlamaConfig
@@ -80,12 +76,12 @@ class ModelDrafter(DrafterBase):
     corrupt_alpha: float | None = None
     name: str = "draft-model"
     tree: TreeShape | None = None
-    catch_up: int = WINDOW
+    catch_up: int = CATCH_UP
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
-        if self.catch_up < WINDOW:
-            raise ValueError(f"catch_up must be at least the window ({WINDOW}), got {self.catch_up}")
+        if self.catch_up < 1:
+            raise ValueError(f"catch_up must be at least 1, got {self.catch_up}")
         if self.tree is not None and self.corrupt_alpha is not None:
             raise ValueError("the oracle drafts chains only")
 
@@ -101,20 +97,36 @@ class ModelDrafter(DrafterBase):
         _, cache = forward(self.config, params, prefill.prompts, cache, compute_logits=False)
         return cache.with_lengths(prefill.prompt_lens)
 
+    @property
+    def window(self) -> int:
+        """Tokens a drafting round feeds up to its t0: `WINDOW`, or a tree's re-encoded block (depth + 1)."""
+        return WINDOW if self.tree is None else self.tree.depth + 1
+
+    def resume(self, params, cache: KVCache, ctx: DraftContext, drafting: jax.Array) -> KVCache:
+        """Before a round that drafts (``drafting`` bool[]): passes of ``catch_up`` tokens from each row's first
+        missing slot while some row's window would not reach its t0 (module docstring). Each pass writes a row's
+        next ``catch_up`` committed tokens (a row already in reach rewrites its own, harmlessly)."""
+        n = ctx.num_tokens - 1  # slot of t0
+
+        def behind(cache):
+            return drafting & jnp.any(n + 1 - _first_missing(cache, n) > self.window)
+
+        def catch_up(cache):
+            start = _first_missing(cache, n)
+            cache = self._feed(params, cache.with_lengths(start), ctx.tokens, self.catch_up)[1]
+            return cache.with_lengths(jnp.minimum(start + self.catch_up, n + 1))
+
+        return jax.lax.while_loop(behind, catch_up, cache)
+
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
+        n = ctx.num_tokens - 1  # slot of t0
+        if gamma == 0:  # the cache falls behind (module docstring), its drafts past the first missing slot dropped
+            return empty_proposal(n.shape[0], tree=self.tree is not None), cache.with_lengths(_first_missing(cache, n))
         if self.tree is not None:
             return self._dynamic_tree(params, cache, ctx, gamma)
-        n = ctx.num_tokens - 1  # slot of t0
-        start = jnp.minimum(cache.lengths, jnp.maximum(n - 1, 0))  # the first slot the cache lacks
-        cache = cache.with_lengths(start)
-        if gamma == 0:
-            return empty_proposal(n.shape[0]), self._fall_behind(params, cache, ctx.tokens, n)
-        if self.catch_up == WINDOW:  # plain rounds keep the cache within the window: no wide branch to compile
-            at_t0, cache = self._feed(params, cache, ctx.tokens, n, WINDOW)
-        else:
-            at_t0, cache = jax.lax.cond(jnp.all(n + 1 - start <= WINDOW),
-                                        lambda c: self._feed(params, c, ctx.tokens, n, WINDOW),
-                                        lambda c: self._feed(params, c, ctx.tokens, n, self.catch_up), cache)
+        start = _first_missing(cache, n)
+        normed, cache = self._feed(params, cache.with_lengths(start), ctx.tokens, WINDOW)
+        at_t0 = jnp.take_along_axis(normed, (n - start)[:, None, None], axis=1)  # f32[B,1,H]
         logits = lm_head(self.config, params, at_t0)[:, 0]  # f32[B,Vo]
 
         def feed(cache, token, index):  # draft index + 1 at slot n + 1 + index
@@ -125,44 +137,39 @@ class ModelDrafter(DrafterBase):
                                      self.corrupt_alpha)
         return proposal, cache.with_lengths(n + max(gamma, 1))  # t0 and the drafts fed (all but the last)
 
-    def _feed(self, params, cache: KVCache, tokens: jax.Array, n: jax.Array, width: int):
-        """Feeds ``width`` committed tokens from the cache's first missing slot (``lengths``) on, t0 (at slot
-        ``n``) among them, and whatever follows in ``tokens: i32[B,T]`` to fill the width. Returns t0's
-        final-norm state ``f32[B,1,H]`` and the cache holding slots up to t0 (``lengths`` n + 1)."""
-        start = cache.lengths
-        slots = start[:, None] + jnp.arange(width)[None, :]
+    def _feed(self, params, cache: KVCache, tokens: jax.Array, width: int) -> tuple[jax.Array, KVCache]:
+        """Feeds ``width`` tokens of ``tokens: i32[B,T]`` from the slot ``cache.lengths`` on, at their slots (past
+        the committed ones, junk that a later round overwrites). Returns their final-norm states f32[B,width,H]
+        and the cache."""
+        slots = cache.lengths[:, None] + jnp.arange(width)[None, :]
         window = jnp.take_along_axis(tokens, jnp.minimum(slots, tokens.shape[1] - 1), axis=1)
         _, normed, cache = apply(self.config, params, window, cache, slots, hidden_layers=(FINAL_NORM,),
                                  compute_logits=False)
-        return jnp.take_along_axis(normed[0], (n - start)[:, None, None], axis=1), cache.with_lengths(n + 1)
-
-    def _fall_behind(self, params, cache: KVCache, tokens: jax.Array, n: jax.Array) -> KVCache:
-        """A round without drafts: the cache (``lengths``: its first missing slot) is left behind, unless the
-        next round (t0 at n + 1) would lack more than ``catch_up`` tokens; then every row catches up on that
-        many tokens from its first missing slot (module docstring; XLA drops t0's unused final-norm state)."""
-        return jax.lax.cond(jnp.any(n + 2 - cache.lengths > self.catch_up),
-                            lambda cache: self._feed(params, cache, tokens, n, self.catch_up)[1],
-                            lambda cache: cache, cache)
-
+        return normed[0], cache
 
     def _dynamic_tree(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVCache]:
-        """Re-encode what the last round committed, then grow the tree (module docstring)."""
-        n = ctx.num_tokens  # t0 at index and slot n - 1
-        fed = jnp.maximum(ctx.last_emit, 1)  # slots n - fed .. n - 1 (the first round: t0 alone)
-        start = n - fed
-        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + jnp.arange(self.tree.depth + 1)[None, :],
+        """Re-encode what the cache lacks up to t0, then grow the tree (module docstring)."""
+        n = ctx.num_tokens - 1  # slot of t0
+        start = _first_missing(cache, n)
+        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + jnp.arange(self.window)[None, :],
                                                              ctx.tokens.shape[1] - 1), axis=1)
         logits, cache = forward(self.config, params, window, cache.with_lengths(start))
-        first = jnp.take_along_axis(logits, (fed - 1)[:, None, None], axis=1)[:, 0]  # f32[B,Vo] after t0
+        first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo] after t0
+        cache = cache.with_lengths(n + 1)
 
         def expand(tokens, mask, depth, inputs):
-            logits, _, _ = apply(self.config, params, tokens, cache.with_lengths(n), n[:, None] - 1 + depth, mask,
-                                 defer_writes=True)
+            logits, _, _ = apply(self.config, params, tokens, cache, n[:, None] + depth, mask, defer_writes=True)
             return logits[:, -self.tree.topk:], None
 
         vocab_map = params.get("vocab_map")
         return grow_dynamic_tree(self.tree, nodes, first, None, expand, vocab_map, ctx.grammar,
                                  drafter_sampling(ctx, vocab_map, self.config.vocab_size)), cache
+
+
+def _first_missing(cache: KVCache, n: jax.Array) -> jax.Array:
+    """i32[B]: the first slot the cache lacks, given t0 at slot ``n`` (module docstring): ``lengths``, at most
+    n - 1 (0 for a 1-token sequence)."""
+    return jnp.minimum(cache.lengths, jnp.maximum(n - 1, 0))
 
 
 def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> ModelDrafter:

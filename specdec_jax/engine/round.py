@@ -115,7 +115,8 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
         proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
     else:
-        proposal, drafter_state = _propose_chosen(spec, params, state, ctx, draft_choice)
+        drafter_state = spec.drafter.resume(params.drafter, state.drafter_state, ctx, draft_choice > 0)
+        proposal, drafter_state = _propose_chosen(spec, params, drafter_state, ctx, draft_choice)
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
     if ctx.grammar is not None and proposal.parents is None:
         cap = jnp.minimum(cap, allowed_prefix(ctx.grammar, proposal.drafts))
@@ -132,8 +133,7 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
                          draft_found=found)
 
 
-def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, ctx: DraftContext,
-                    index: jax.Array):
+def _propose_chosen(spec: EngineSpec, params: EngineParams, drafter_state, ctx: DraftContext, index: jax.Array):
     """The drafter's proposal at policy.gammas[index] (a `lax.switch` over `shape.draft_options`),
     padded to G drafts and to the structure of a G-draft proposal."""
     def at(gamma: int):
@@ -142,10 +142,10 @@ def _propose_chosen(spec: EngineSpec, params: EngineParams, state: DecodeState, 
             return _pad_proposal(proposal, full), drafter_state
         return run
 
-    full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], state.drafter_state)
+    full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], drafter_state)
     options = shape.draft_options(spec.policy)
     branch = jnp.searchsorted(jnp.asarray(options), jnp.asarray(spec.policy.gammas)[index])
-    return jax.lax.switch(branch, [at(g) for g in options], state.drafter_state)
+    return jax.lax.switch(branch, [at(g) for g in options], drafter_state)
 
 
 def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
