@@ -6,14 +6,14 @@ experiments/README.md; writes results.json and table.md to experiments/results/r
 
     python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
     python experiments/round_overhead.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
-        --batches 1 --capacities 512 --rounds 32 --catch-up 16 --out experiments/results/round_overhead_pair
+        --batches 1 --capacities 512 --rounds 32 --out experiments/results/round_overhead_pair
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
 gamma 0 it should cost what plain decoding (gamma 0, no policy) costs. For each
 batch size and KV capacity this times, on SmolLM2-135M with the n-gram drafter
 (or `--model` with the draft model `--draft-model`, which skips the rounds that
-draft nothing and catches up every few of them: `drafters.model`) and rows of
+draft nothing and catches up only when drafting resumes: `drafters.model`) and rows of
 64 random tokens, rounds in a loop as the decoding loop runs them
 (`engine.calibration.time_rounds`' method: 8 rounds, or `--rounds`, per timed call from the prefilled
 state, the state donated): plain rounds, and auto rounds forced to draft and verify nothing
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--catch-up", type=int, default=None, help="the draft model's catch_up (default its own)")
     parser.add_argument("--rounds", type=int, default=CALIBRATION_ROUNDS,
-                        help="rounds per timed call, from the prefilled state (a draft model catches up about every "
-                             "15th plain round: 32 counts two catch-ups)")
+                        help="rounds per timed call, from the prefilled state")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "round_overhead")
     args = parser.parse_args(argv)
 
