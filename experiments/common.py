@@ -199,3 +199,31 @@ def gguf_tokenizer(model: str):
     reader = GGUFReader(model_gguf(model))
     return BPETokenizer.from_gguf_metadata({name: field.contents() for name, field in reader.fields.items()
                                             if name.startswith("tokenizer.")})
+
+
+def draft_matches(draft_name: str, rows, draft_vocab: int = 0) -> list[list[bool]]:
+    """Per row (id, category, prompt, output): whether the draft model ``draft_name``'s greedy token equals each
+    output token, given the output before it (one teacher-forced pass): under greedy verification, which drafts
+    of a chain the target accepts. ``draft_vocab``: the draft's logits over its first ids and its stop ids only
+    (`--draft-vocab`; 0: all)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specdec_jax.models import load_model
+    from specdec_jax.models.llama import forward
+
+    draft = load_model(draft_name)
+    draft = draft.with_output_vocab(draft_vocab) if draft_vocab else draft
+    ids = draft.model.params().get("vocab_map")
+    width = max(len(p) + len(o) for _, _, p, o in rows)
+    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
+                                                             draft.config.init_cache(1, width))[0], -1))
+    found = []
+    for _, _, prompt, output in rows:
+        seq = np.zeros((1, width), np.int32)
+        seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
+        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
+        guess = guess if ids is None else np.asarray(ids)[guess]
+        found.append([bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)])
+    return found

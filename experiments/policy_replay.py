@@ -24,6 +24,16 @@ the run.
         --grid prior=0.3,0.5,0.7 learn=0.25,0.5 relax=0.003,0.01
     python experiments/policy_replay.py --split heldout --per-category 1 --grid prior=0.5 \\
         --bench experiments/results/auto_shape/batch1/bench_ngram_b1_gauto.json
+
+With `--draft-model` the drafter is that model drafting for `--model`: under greedy verification a
+chain's accepted drafts are those the draft's greedy tokens get right in a row, known from one
+teacher-forced pass of the draft over each prompt and plain output (`common.draft_matches`), and a
+drafting round after plain rounds pays for the draft catching up (`--catch-up-cost` T1 per pass of
+`drafters.model.CATCH_UP` tokens; `drafters.model`). `--rows-from` takes the prompts and plain
+outputs of a bench report (e.g. experiments/qwen_pair.py's speed.json) instead of plain runs:
+
+    python experiments/policy_replay.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \\
+        --draft-vocab 32768 --max-prompt-tokens 128 --per-category 1 --grid relax=0.01,0.03,0.1
 """
 
 from __future__ import annotations
@@ -37,12 +47,13 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import RESULTS, markdown_table, prompt_record, recipe_questions, save
+from common import RESULTS, draft_matches, markdown_table, prompt_record, recipe_questions, save
 from tqdm import tqdm
 
 from specdec_jax import engine
 from specdec_jax.config import run_config
 from specdec_jax.drafters.base import DraftContext
+from specdec_jax.drafters.model import CATCH_UP, WINDOW
 from specdec_jax.engine import ShapePolicy, shape
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter, encode, stop_ids
@@ -85,10 +96,24 @@ def _round(policy: ShapePolicy, acceptance, share, live, found, accepted, room):
     return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted), share
 
 
+def chain_tables(matches: list[bool], gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """(found i32[J], accepted i32[J]) of a draft model's greedy chain at each of the J generated
+    positions: it always proposes gamma, and the target accepts them up to the first the draft gets wrong
+    (``matches``: `common.draft_matches`)."""
+    steps = len(matches)
+    accepted = np.zeros(steps, np.int32)
+    for j in range(steps):
+        while accepted[j] < gamma and j + accepted[j] < steps and matches[j + accepted[j]]:
+            accepted[j] += 1
+    return np.full(steps, gamma, np.int32), accepted
+
+
 def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_new: int,
-           batch: int) -> tuple[float, list[int]]:
+           batch: int, catch_up_cost: float = 0.0) -> tuple[float, list[int]]:
     """(priced rounds in units of T1, rounds per verify shape) of one batch's generation: rows of
-    (found, accepted) tables, padded to the engine's ``batch`` with rows that are done."""
+    (found, accepted) tables, padded to the engine's ``batch`` with rows that are done. With
+    ``catch_up_cost`` (T1 per pass), a drafting round first pays for the passes of `CATCH_UP` tokens
+    that bring the rows' draft caches within `WINDOW` of their t0 (`drafters.model`)."""
     steps = np.zeros(batch, np.int64)
     steps[: len(rows)] = [len(found) for found, _ in rows]
     tables = np.zeros((2, batch, max_new + 1), np.int32)
@@ -97,6 +122,7 @@ def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_n
     position, cost = np.zeros(batch, np.int64), 0.0
     widths = [0] * len(policy.gammas)
     acceptance, share = policy.initial(batch), jnp.ones(batch, jnp.float32)
+    lacking = np.ones(batch, np.int64)  # tokens the draft cache lacks up to t0, t0 included
     while (position < steps).any():
         live = position < steps
         at = np.minimum(position, max_new)
@@ -108,6 +134,9 @@ def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_n
         chosen = int(chosen)
         widths[chosen] += 1
         cost += policy.verify_cost[chosen] + policy.draft_cost[int(drafted)]
+        if int(drafted) > 0:
+            cost += catch_up_cost * int(np.max(np.ceil(np.maximum(lacking[live] - WINDOW, 0) / CATCH_UP)))
+        lacking = np.where(live, 2 if int(drafted) > 0 else lacking + 1, lacking)  # t0 and at most one draft
         position = np.where(live, position + np.asarray(n) + 1, position)
     return cost, widths
 
@@ -140,24 +169,49 @@ def main(argv=None) -> int:
                         help="an auto bench report of the same prompts and batch size: its verify widths are kept "
                              "beside the replay's (they agree when the replay is exact)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="the target (default the project's default model)")
+    parser.add_argument("--draft-model", default=None, help="a draft model instead of the n-gram drafter")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="the draft's output ids (0: all)")
+    parser.add_argument("--catch-up-cost", type=float, default=0.47,
+                        help="T1 per catch-up pass of the draft model (default: the Qwen pair's on a 2-core CPU, "
+                             "about 1.6 of the 0.5B's 4-token pass)")
+    parser.add_argument("--rows-from", type=pathlib.Path, default=None,
+                        help="a bench report whose prompts and plain outputs to replay (no plain runs)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "policy_replay")
     args = parser.parse_args(argv)
-    cfg = run_config(max_new_tokens=args.max_new_tokens)
+    model_fields = {} if args.model is None else {"model": args.model}
+    if args.draft_model:
+        model_fields.update(drafter="draft-model", draft_model=args.draft_model, draft_vocab=args.draft_vocab)
+    cfg = run_config(max_new_tokens=args.max_new_tokens, **model_fields)
     target = load_model(cfg.model)
     tok = target.tokenizer
     drafter = build_drafter(cfg, target)
-    records = [prompt_record(q) for q in recipe_questions(args.split, args.per_category,
-                                                          max_prompt_tokens=args.max_prompt_tokens, tokenizer=tok)]
+    catch_up_cost = args.catch_up_cost if args.draft_model else 0.0
+    if args.rows_from:
+        report = json.loads(args.rows_from.read_text())
+        rows = [(i, c, p, o) for b in report["batches"]
+                for i, c, p, o in zip(b["ids"], b["categories"], b["prompt_ids"], b["plain_outputs"])]
+        records = [{"id": i, "category": c} for i, c, _, _ in rows]
+    else:
+        records = [prompt_record(q) for q in recipe_questions(args.split, args.per_category,
+                                                              max_prompt_tokens=args.max_prompt_tokens,
+                                                              tokenizer=tok)]
     bench_widths = {}
     if args.bench:
         bench_widths = {tuple(map(str, b["ids"])): b["width_rounds"]
                         for b in json.loads(args.bench.read_text())["batches"]}
     gamma, tables, lengths = max(engine.AUTO_GAMMAS), {}, {}
-    for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
-        p = encode(tok, r["prompt"], cfg.inputs.raw)
-        out = engine.generate(target, [p], None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
-                              stop_ids=stop_ids(cfg, tok)).tokens[0]
-        tables[r["id"]], lengths[r["id"]] = proposals(drafter, p + out, len(p), gamma), len(p)
+    if not args.rows_from:
+        rows = []
+        for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
+            p = encode(tok, r["prompt"], cfg.inputs.raw)
+            rows.append((r["id"], r["category"], p, engine.generate(
+                target, [p], None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
+                stop_ids=stop_ids(cfg, tok)).tokens[0]))
+    matches = draft_matches(args.draft_model, rows, args.draft_vocab) if args.draft_model else [None] * len(rows)
+    for (qid, _, p, out), match in zip(rows, matches):
+        tables[qid] = chain_tables(match, gamma) if args.draft_model else proposals(drafter, p + out, len(p), gamma)
+        lengths[qid] = len(p)
     for batch_size in args.batch_sizes:
         batches = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
         rows, results = [], []
@@ -168,7 +222,7 @@ def main(argv=None) -> int:
                 capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.inputs.max_new_tokens, gamma)
                 costs = engine.calibrated_costs(target, drafter, size, capacity)
                 cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
-                                      cfg.inputs.max_new_tokens, size)
+                                      cfg.inputs.max_new_tokens, size, catch_up_cost)
                 longest = max(len(tables[r["id"]][0]) for r in chunk)
                 per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk),
                                   "plain_rounds": longest, "cost": cost, "speedup": longest / cost, "widths": widths,

@@ -36,6 +36,7 @@ import sys
 
 import numpy as np
 
+from common import draft_matches as common_draft_matches
 from common import (RESULTS, category_bars, gguf_tokenizer, markdown_table, prompts_file, pyplot, recipe_questions,
                     write_json)
 
@@ -60,29 +61,8 @@ def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
 
 
 def draft_matches(rows, draft_vocab: int = 0) -> list[list[bool]]:
-    """Per row (id, category, prompt, output): whether the 0.5B's greedy token equals each output token,
-    given the output before it (one teacher-forced pass); ``draft_vocab``: the draft's logits over its first
-    ids and its stop ids only (`--draft-vocab`; 0: all)."""
-    import jax
-    import jax.numpy as jnp
-
-    from specdec_jax.models import load_model
-    from specdec_jax.models.llama import forward
-
-    draft = load_model(DRAFT)
-    draft = draft.with_output_vocab(draft_vocab) if draft_vocab else draft
-    ids = draft.model.params().get("vocab_map")
-    width = max(len(p) + len(o) for _, _, p, o in rows)
-    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
-                                                             draft.config.init_cache(1, width))[0], -1))
-    found = []
-    for _, _, prompt, output in rows:
-        seq = np.zeros((1, width), np.int32)
-        seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
-        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
-        guess = guess if ids is None else np.asarray(ids)[guess]
-        found.append([bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)])
-    return found
+    """`common.draft_matches` of the 0.5B."""
+    return common_draft_matches(DRAFT, rows, draft_vocab)
 
 
 def speed_rows(out: pathlib.Path) -> list[tuple]:

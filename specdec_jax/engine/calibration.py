@@ -91,7 +91,8 @@ def time_target_pass(run, width: int, repeats: int = 7) -> float:
 def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     """Seconds of one `draft_step` at a fixed ``gamma`` (default the run's; at most its gamma): the
     drafter's whole proposal, a copy of the loop state donated and fed back. gamma 0 times the
-    round of a shape policy that does not speculate (the drafter keeping its state in step)."""
+    round of a shape policy that does not speculate (the drafter keeping its state in step, or
+    letting it fall behind)."""
     return time_draft_steps(run, [run.spec.gamma if gamma is None else gamma], repeats)[0]
 
 
