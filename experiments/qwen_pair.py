@@ -36,9 +36,8 @@ import sys
 
 import numpy as np
 
-from common import draft_matches as common_draft_matches
-from common import (RESULTS, category_bars, gguf_tokenizer, markdown_table, prompts_file, pyplot, recipe_questions,
-                    write_json)
+from common import (RESULTS, category_bars, draft_matches, gguf_tokenizer, markdown_table, prompts_file, pyplot,
+                    recipe_questions, write_json)
 
 from specdec_jax.replay import replay_drafter, replay_greedy
 
@@ -58,11 +57,6 @@ def questions(args, max_prompt_tokens: int | None = None) -> list[dict]:
         have = {q["question_id"] for q in chosen}
         chosen += [q for q in pick(categories=["coding"]) if q["question_id"] not in have][: args.extra_coding]
     return chosen
-
-
-def draft_matches(rows, draft_vocab: int = 0) -> list[list[bool]]:
-    """`common.draft_matches` of the 0.5B."""
-    return common_draft_matches(DRAFT, rows, draft_vocab)
 
 
 def speed_rows(out: pathlib.Path) -> list[tuple]:
@@ -87,7 +81,7 @@ def run_acceptance(args) -> dict:
 
     rows = speed_rows(args.out)
     replays = []
-    for (qid, category, _, output), matches in zip(rows, draft_matches(rows)):
+    for (qid, category, _, output), matches in zip(rows, draft_matches(DRAFT, rows)):
         for gamma in GAMMAS:
             rounds, proposed, accepted = replay_greedy(matches, gamma)
             replays.append({"temperature": 0.0, "gamma": gamma, "id": qid, "category": category, "rounds": rounds,
@@ -170,7 +164,7 @@ def run_vocab(args) -> dict:
     rows = speed_rows(args.out)
     replays = []
     for vocab in DRAFT_VOCABS:
-        for (qid, category, _, output), matches in zip(rows, draft_matches(rows, vocab)):
+        for (qid, category, _, output), matches in zip(rows, draft_matches(DRAFT, rows, vocab)):
             rounds, _, _ = replay_greedy(matches, 3)
             replays.append({"draft_vocab": vocab, "id": qid, "category": category, "rounds": rounds,
                             "emitted_tokens": len(output), "agreement": sum(matches) / len(matches)})
@@ -312,7 +306,7 @@ def run_retrieval(args) -> dict:
     store = load_datastore([str(stdlib_source())], gguf_tokenizer(DRAFT))
     lookup = NgramDrafter(max_n=3, min_n=1)
     retrieval = RetrievalDrafter.from_datastore(store, lookup=lookup)
-    matches = draft_matches(rows)
+    matches = draft_matches(DRAFT, rows)
     pairs = [(p, o) for _, _, p, o in rows]
     runs = {"prompt lookup": replay_drafter(lookup, pairs, 4),
             "retrieval (stdlib)": replay_drafter(retrieval, pairs, 4),

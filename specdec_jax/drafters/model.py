@@ -104,12 +104,13 @@ class ModelDrafter(DrafterBase):
 
     def resume(self, params, cache: KVCache, ctx: DraftContext, drafting: jax.Array) -> KVCache:
         """Before a round that drafts (``drafting`` bool[]): passes of ``catch_up`` tokens from each row's first
-        missing slot while some row's window would not reach its t0 (module docstring). Each pass writes a row's
-        next ``catch_up`` committed tokens (a row already in reach rewrites its own, harmlessly)."""
+        missing slot while the window of some row that may still draft (room > 0; a finished row is never caught
+        up) would not reach its t0 (module docstring). Each pass writes every row's next ``catch_up`` committed
+        tokens (a row already in reach rewrites its own, harmlessly)."""
         n = ctx.num_tokens - 1  # slot of t0
 
         def behind(cache):
-            return drafting & jnp.any(n + 1 - _first_missing(cache, n) > self.window)
+            return drafting & jnp.any((ctx.room > 0) & (n + 1 - _first_missing(cache, n) > self.window))
 
         def catch_up(cache):
             start = _first_missing(cache, n)
