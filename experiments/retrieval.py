@@ -146,7 +146,7 @@ def outputs_pass(base: RunConfig, datastore: tuple[str, ...], per_category: int,
             for label, path in passes:
                 rows[label] = []
                 results.setdefault(name, {})[label] = tokens_only(cfg.updated(prompts_file=str(path)),
-                                                                  len(held), drafter, rows[label])
+                                                                  len(held), drafter=drafter, results=rows[label])
     write_json(out / "outputs.json", {label: [{k: r[k] for k in ("id", "category", "prompt_tokens", "tokens")}
                                               for r in rs] for label, rs in rows.items()})
     return {"pass 1": len(first), "pass 2": len(second), "runs": results}
@@ -168,7 +168,7 @@ def outputs_table(summary: dict) -> str:
 
 def _alone(cfg: RunConfig, per_category: int) -> dict:
     """`tokens_only` of the datastore alone: the retrieval drafter without its prompt lookup."""
-    return tokens_only(cfg, per_category, dataclasses.replace(build_drafter(cfg, load_model(cfg.model)), lookup=None))
+    return tokens_only(cfg, per_category, drafter=dataclasses.replace(build_drafter(cfg, load_model(cfg.model)), lookup=None))
 
 
 def runs_of(summary: dict) -> dict:

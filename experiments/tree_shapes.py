@@ -50,7 +50,7 @@ from specdec_jax.bench import bench
 from specdec_jax.config import DrafterSettings, RunConfig, run_config
 from specdec_jax.engine.calibration import time_target_pass
 from specdec_jax.models import load_model
-from specdec_jax.runner import drop_compiled_programs, prompt_records, run
+from specdec_jax.runner import build_drafter, drop_compiled_programs, prompt_records, run
 
 DRAFTERS = ["ngram", "draft-model", "eagle", "medusa"]
 
@@ -65,9 +65,9 @@ def shape_fields(shape: str) -> dict:
     raise argparse.ArgumentTypeError(f"a shape is g<gamma> or t<nodes>x<depth>x<topk>, got {shape!r}")
 
 
-def verify_cost_curve(model: str, widths: list[int], context: int = 200) -> dict[int, float]:
-    """Seconds of one target pass of each width over a ``context``-token prompt (batch 1)."""
-    run = engine.prepare(load_model(model), [[1] * context], max_new_tokens=max(widths) + 1)
+def verify_cost_curve(target, widths: list[int], context: int = 200) -> dict[int, float]:
+    """Seconds of one pass of the loaded ``target`` at each width over a ``context``-token prompt (batch 1)."""
+    run = engine.prepare(target, [[1] * context], max_new_tokens=max(widths) + 1)
     return {w: time_target_pass(run, w) for w in widths}
 
 
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    curve = verify_cost_curve(args.model, args.widths)
+    target = load_model(args.model)  # loaded once: two copies of a 1.5B and their tree programs overflow 24 GB
+    curve = verify_cost_curve(target, args.widths)
     summary["verify_cost"] = {str(w): t / curve[1] for w, t in curve.items()}
     summary["T1_ms"] = 1000 * curve[1]
     # Spec-Bench text is read at run time, never committed
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                                 ngram_min=args.ngram_min, draft_vocab=args.draft_vocab, **fields)
                 name = f"{drafter}_{shape}" + (f"_min{args.ngram_min}" if args.ngram_min != DrafterSettings.ngram_min
                                                else "")
-                summary[name] = (tokens_only(cfg, args.per_category) if args.tokens_only
+                summary[name] = (tokens_only(cfg, args.per_category, target) if args.tokens_only
                                  else timed(cfg, args.repeats, args.per_category, args.out / f"bench_{name}.json"))
                 summary[name].update(drafter=drafter, shape=name[len(drafter) + 1:])
                 write_json(summary_path, summary)
@@ -139,15 +140,17 @@ def timed(cfg: RunConfig, repeats: int, per_category: int, path: pathlib.Path) -
                            for c, a in report["categories"].items()}}
 
 
-def tokens_only(cfg: RunConfig, per_category: int, drafter=None, results: list | None = None) -> dict:
-    """Tokens per round per category (one untimed run each), and overall; ``drafter`` (default the
-    config's) may be given built; ``results`` (a list) collects the report's rows."""
+def tokens_only(cfg: RunConfig, per_category: int, target=None, drafter=None, results: list | None = None) -> dict:
+    """Tokens per round per category (one untimed run each), and overall; ``target`` (default the config's
+    model, loaded) and ``drafter`` (default the config's, built once for all categories) may be given built;
+    ``results`` (a list) collects the report's rows."""
     by_category = {}
     for r in prompt_records(cfg):
         by_category.setdefault(r["category"], [])
         if len(by_category[r["category"]]) < per_category:
             by_category[r["category"]].append(r)
-    target = load_model(cfg.model)
+    target = target or load_model(cfg.model)
+    drafter = drafter if drafter is not None else build_drafter(cfg, target)
     metrics = {}
     for c, rs in by_category.items():
         drop_compiled_programs()  # XLA CPU keeps every program compiled in a process
