@@ -51,6 +51,22 @@ class KVBlock:
         pad = lambda x: jnp.pad(x, ((0, 0), (0, steps - x.shape[1]), (0, 0), (0, 0)))  # noqa: E731
         return KVBlock(tuple(map(pad, self.k)), tuple(map(pad, self.v)))
 
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, steps: int, num_kv_heads: int, head_dim: int,
+              dtype: jnp.dtype = jnp.float32) -> KVBlock:
+        """An empty block of ``steps`` tokens (a drafter's pending writes, `KVBlock.insert`)."""
+        zero = lambda: jnp.zeros((batch, steps, num_kv_heads, head_dim), dtype)  # noqa: E731
+        return cls(tuple(zero() for _ in range(num_layers)), tuple(zero() for _ in range(num_layers)))
+
+    def insert(self, new: KVBlock, at: jax.Array) -> KVBlock:
+        """This block with ``new``'s S tokens written at its columns ``at[b] + s`` (``at``: i32[B]; columns
+        past the block dropped): a pass's keys/values added to the pending writes of the passes before it."""
+        steps = new.k[0].shape[1]
+        columns = at[:, None] + jnp.arange(steps)[None, :]  # i32[B,S]
+        rows = jnp.arange(columns.shape[0])[:, None]
+        put = lambda old, x: old.at[rows, columns].set(x.astype(old.dtype), mode="drop")  # noqa: E731
+        return KVBlock(tuple(map(put, self.k, new.k)), tuple(map(put, self.v, new.v)))
+
     def take(self, order: jax.Array) -> KVBlock:
         """The block's tokens reordered: token ``s`` of the result is token ``order[b, s]``
         (i32[B,S']); a token tree's accepted path, moved to the front before it is written."""

@@ -130,6 +130,9 @@ class DecoyTree(DrafterBase):
         nodes = jnp.asarray([DECOY_NODES[n] for n in range(4)], jnp.int32)[jnp.clip(chain.num_draft, 0, 3)]
         return Proposal(tokens.astype(jnp.int32), nodes, None, parents), state
 
+    def settle(self, params, state, update):
+        return self.chain.settle(params, state, update)
+
     def commit(self, params, state, outcome):
         return self.chain.commit(params, state, outcome)
 

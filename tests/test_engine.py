@@ -28,7 +28,7 @@ from specdec_jax.engine import round as engine_round
 from specdec_jax.compare import compare_rows, first_divergence
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.drafters.base import DrafterBase, Proposal
-from specdec_jax.engine import generate
+from specdec_jax.engine import ShapePolicy, generate
 from specdec_jax.metrics import Metrics
 from specdec_jax.models import LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
@@ -430,15 +430,22 @@ def test_each_round_verifies_at_the_narrowest_width_that_holds_its_drafts(count,
     assert hist[width_index] >= spec.loop_rounds - 3
 
 
-@pytest.mark.parametrize("gamma", [0, H.GAMMA])
-def test_a_round_copies_no_cache_buffer(gamma):
-    """The cache is updated in place: a compiled round (state donated, as the loop runs it) holds no
-    copy of a layer's key or value buffer. A top-level pass read the cache before commit's
-    in-place write and XLA copied every buffer each plain round (`kv_cache.ordered_read`)."""
-    h = H.prepare(H.RAGGED, None if gamma == 0 else H.ngram(), gamma=gamma)
-    step = jax.jit(functools.partial(engine_round.decode_round, h.spec), donate_argnums=1)
-    text = step.lower(h.params, h.state).compile().as_text()
-    shapes = {",".join(map(str, a.shape)) for a in (*h.state.cache.k, *h.state.cache.v)}
+@pytest.mark.parametrize("drafter,gamma,policy", [("ngram", 0, False), ("ngram", H.GAMMA, False),
+                                                   ("model", H.GAMMA, False), ("model", 4, True)])
+def test_rounds_copy_no_cache_buffer(drafter, gamma, policy):
+    """The caches are updated in place: two compiled rounds in a loop (state donated, as the decoding loop
+    runs them) hold no copy of a layer's key or value buffer, the target's or the draft model's. A top-level
+    pass read the cache before commit's in-place write and XLA copied every buffer each plain round
+    (`kv_cache.ordered_read`); the draft model wrote its cache inside the per-size switch and in its chain's
+    loop, and XLA copied its buffers several times a round (`Drafter.settle`)."""
+    draft = H.ngram() if drafter == "ngram" else H.model_drafter()
+    kwargs = dict(policy=ShapePolicy((0, 1, 2, 3, 4), (1.0,) * 5, (0.0,) + (1.0,) * 4)) if policy else dict(gamma=gamma)
+    run = engine.prepare(H.target(), H.RAGGED, draft if gamma else None, max_new_tokens=H.MAX_NEW, **kwargs)
+    rounds = jax.jit(lambda params, state: jax.lax.fori_loop(
+        0, 2, lambda _, s: engine_round.decode_round(run.spec, params, s), state), donate_argnums=1)
+    text = rounds.lower(run.params, run.state).compile().as_text()
+    caches = [run.state.cache] + ([run.state.drafter_state] if drafter == "model" else [])
+    shapes = {",".join(map(str, a.shape)) for c in caches for a in (*c.k, *c.v)}
     copies = [line for line in text.splitlines() if " copy(" in line
               and any(f"f32[{s}]" in line.split(" copy(")[0] for s in shapes)]
     assert not copies, copies[:3]

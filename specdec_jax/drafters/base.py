@@ -19,7 +19,9 @@ the compiled program as inputs rather than as constants:
                                              with a shape policy, before each proposal (drafting: bool[],
                                              whether it has drafts): a drafter that skips the rounds
                                              without drafts catches up here, compiled once for all sizes
-    propose(params, state, ctx: DraftContext, gamma) -> (Proposal, state)
+    propose(params, state, ctx: DraftContext, gamma) -> (Proposal, update)
+    settle(params, state, update) -> state   after the proposal, outside the per-size switch (default: the
+                                             update is the new state)
     commit(params, state, outcome: RoundOutcome) -> state
     observe(outputs: list[list[int]])        after each generate call, the rows' emitted tokens (host
                                              lists): a drafter that learns from its target's outputs
@@ -31,13 +33,20 @@ declares in `reads_hidden`, and hands them over twice: those of the prompt to
 `init`, and each round those of the tokens the last verify pass committed in
 `DraftContext.features`. `commit` runs after every verification (the drafter
 can update its own caches from what was accepted). `DrafterBase` supplies the
-defaults: no hidden states, chains, no checks, `resume` and `commit` leave the state unchanged, `observe` does
-nothing.
+defaults: no hidden states, chains, no checks, `resume` and `commit` leave the state unchanged, `settle` takes
+the update as the new state, `observe` does nothing.
 
 A tree drafter's `propose` gets gamma = tree.nodes and returns that many nodes
 (`Proposal.parents`); the engine verifies the tree and hands `commit` the
 accepted path as if it had been a chain: `RoundOutcome.features` and the
 target's cache hold [t0, path] in order.
+
+`propose` runs inside the engine's `lax.switch` over proposal sizes (`--gamma auto`), whose outputs are
+fresh buffers: a state returned through it is copied every round, and a cache written inside it is
+copied on every pass. A drafter with a cache of its own therefore only reads it in `propose`, returns
+what the round fed (the draft model: a `kv_cache.KVBlock`), and writes it in `settle` (docs/design.md
+section 3). An update's arrays may be narrower for smaller gammas; the engine pads them with zeros to
+the widest proposal's shapes. Other drafters return their new state as the update.
 
 `propose` may be called with gamma 0 (a round in which the engine's shape
 policy, `engine.shape`, does not speculate): it returns no drafts, and either
@@ -136,6 +145,8 @@ class Drafter(Protocol):
 
     def propose(self, params, state, ctx: DraftContext, gamma: int) -> tuple[Proposal, Any]: ...
 
+    def settle(self, params, state, update) -> Any: ...
+
     def commit(self, params, state, outcome: RoundOutcome) -> Any: ...
 
     def observe(self, outputs: list[list[int]]) -> None: ...
@@ -155,6 +166,10 @@ class DrafterBase:
     def resume(self, params, state, ctx: DraftContext, drafting: jax.Array):
         """The state is unchanged (it never falls behind)."""
         return state
+
+    def settle(self, params, state, update):
+        """The proposal's update is the new state."""
+        return update
 
     def commit(self, params, state, outcome: RoundOutcome):
         """The state is unchanged."""

@@ -10,6 +10,13 @@ starts at slot 0. The cache's ``lengths`` is the first slot it lacks, or one
 past the drafts it fed (the first slot it lacks is then at most t0's slot - 1).
 The logits of t0 are read from the window's final-norm state at t0 alone.
 
+A proposal only reads the cache: the keys and values of the window and of each
+fed draft go into a pending `KVBlock` that the next draft step attends to beside
+the cache, and `settle` writes it after the engine's per-size switch (a cache
+written inside the switch, or inside the chain's loop, is copied by XLA every
+round: docs/design.md section 3). The catch-up passes read in a conditional and
+write after it, for the same reason.
+
 A round that drafts nothing (gamma 0, the shape policy's plain round) does not
 run the draft at all: its cache falls one token behind. A round that drafts
 again first catches up (`resume`, run once per round before the proposal, so
@@ -40,7 +47,7 @@ cache lacks, ending at or past t0) in place of the chain's window.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +55,7 @@ import jax.numpy as jnp
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import KVBlock, KVCache, ordered_read
 from specdec_jax.models.llama import LlamaConfig, apply, forward, lm_head
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM
@@ -114,57 +121,92 @@ class ModelDrafter(DrafterBase):
 
         def catch_up(cache):
             start = _first_missing(cache, n)
-            cache = self._feed(params, cache.with_lengths(start), ctx.tokens, self.catch_up)[1]
-            return cache.with_lengths(jnp.minimum(start + self.catch_up, n + 1))
+            base = cache.with_lengths(start)
+            block = ordered_read(lambda c: self._read(params, c, ctx.tokens, self.catch_up)[1], base)
+            return base.write_block(block).with_lengths(jnp.minimum(start + self.catch_up, n + 1))
 
         return jax.lax.while_loop(behind, catch_up, cache)
 
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
+        """``(Proposal, DraftWrite)``: the cache is only read (in a conditional, `kv_cache.ordered_read`); what
+        the round fed comes back as a block that `settle` writes (module docstring)."""
         n = ctx.num_tokens - 1  # slot of t0
-        if gamma == 0:  # the cache falls behind (module docstring), its drafts past the first missing slot dropped
-            return empty_proposal(n.shape[0], tree=self.tree is not None), cache.with_lengths(_first_missing(cache, n))
-        if self.tree is not None:
-            return self._dynamic_tree(params, cache, ctx, gamma)
         start = _first_missing(cache, n)
-        normed, cache = self._feed(params, cache.with_lengths(start), ctx.tokens, WINDOW)
+        if gamma == 0:  # the cache falls behind (module docstring), its drafts past the first missing slot dropped
+            nowhere = jnp.full_like(start, cache.capacity)  # past the last slot: the block is dropped
+            return empty_proposal(n.shape[0], tree=self.tree is not None), DraftWrite(self._block(n.shape[0], 1),
+                                                                                      nowhere, start)
+        draft = self._grow if self.tree is not None else self._chain
+        proposal, block = ordered_read(lambda c: draft(params, c, ctx, gamma), cache.with_lengths(start))
+        fed = n + 1 if self.tree is not None else n + gamma  # t0 and the drafts fed (all but the last)
+        return proposal, DraftWrite(block, start, fed)
+
+    def settle(self, params, cache: KVCache, write: DraftWrite) -> KVCache:
+        """The round's fed keys/values written at the first missing slot on, and the cache's new length."""
+        return cache.with_lengths(write.start).write_block(write.block).with_lengths(write.lengths)
+
+    def _chain(self, params, cache: KVCache, ctx: DraftContext, gamma: int) -> tuple[Proposal, KVBlock]:
+        """gamma drafts from the window (``cache.lengths`` = its first slot) and gamma - 1 drafts fed one at a
+        time; the block holds the slots from the window's first on (column c = slot lengths + c)."""
+        n, start = ctx.num_tokens - 1, cache.lengths
+        normed, window = self._read(params, cache, ctx.tokens, WINDOW)
+        width = WINDOW + gamma - 1  # the window's columns, then the drafts fed after t0 (n - start < WINDOW)
+        block = self._block(n.shape[0], width).insert(window, jnp.zeros_like(start))
         at_t0 = jnp.take_along_axis(normed, (n - start)[:, None, None], axis=1)  # f32[B,1,H]
         logits = lm_head(self.config, params, at_t0)[:, 0]  # f32[B,Vo]
 
-        def feed(cache, token, index):  # draft index + 1 at slot n + 1 + index
-            logits, cache = forward(self.config, params, token[:, None], cache.with_lengths(n + 1 + index))
-            return logits[:, 0], cache
+        def feed(block, token, index):  # draft index + 1 at slot n + 1 + index, column n + 1 + index - start
+            column = n + 1 + index - start
+            seen = jnp.arange(width)[None, None, :] < column[:, None, None]  # its chain, not the window's junk
+            logits, _, new = apply(self.config, params, token[:, None], cache, (n + 1 + index)[:, None],
+                                   defer_writes=True, pending=(block, seen))
+            return logits[:, 0], block.insert(new, column)
 
-        proposal, cache = draw_chain(ctx, gamma, logits, feed, cache, self.config.vocab_size, params.get("vocab_map"),
-                                     self.corrupt_alpha)
-        return proposal, cache.with_lengths(n + max(gamma, 1))  # t0 and the drafts fed (all but the last)
+        return draw_chain(ctx, gamma, logits, feed, block, self.config.vocab_size, params.get("vocab_map"),
+                          self.corrupt_alpha)
 
-    def _feed(self, params, cache: KVCache, tokens: jax.Array, width: int) -> tuple[jax.Array, KVCache]:
-        """Feeds ``width`` tokens of ``tokens: i32[B,T]`` from the slot ``cache.lengths`` on, at their slots (past
-        the committed ones, junk that a later round overwrites). Returns their final-norm states f32[B,width,H]
-        and the cache."""
-        slots = cache.lengths[:, None] + jnp.arange(width)[None, :]
-        window = jnp.take_along_axis(tokens, jnp.minimum(slots, tokens.shape[1] - 1), axis=1)
-        _, normed, cache = apply(self.config, params, window, cache, slots, hidden_layers=(FINAL_NORM,),
-                                 compute_logits=False)
-        return normed[0], cache
-
-    def _dynamic_tree(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVCache]:
-        """Re-encode what the cache lacks up to t0, then grow the tree (module docstring)."""
-        n = ctx.num_tokens - 1  # slot of t0
-        start = _first_missing(cache, n)
-        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + jnp.arange(self.window)[None, :],
-                                                             ctx.tokens.shape[1] - 1), axis=1)
-        logits, cache = forward(self.config, params, window, cache.with_lengths(start))
+    def _grow(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVBlock]:
+        """Re-encode what the cache lacks up to t0 (from ``cache.lengths``), then grow the tree over it
+        (module docstring); the block holds the re-encoded slots."""
+        n, start = ctx.num_tokens - 1, cache.lengths
+        slots = start[:, None] + jnp.arange(self.window)[None, :]
+        window = jnp.take_along_axis(ctx.tokens, jnp.minimum(slots, ctx.tokens.shape[1] - 1), axis=1)
+        logits, _, block = apply(self.config, params, window, cache, slots, defer_writes=True)
         first = jnp.take_along_axis(logits, (n - start)[:, None, None], axis=1)[:, 0]  # f32[B,Vo] after t0
-        cache = cache.with_lengths(n + 1)
+        up_to_t0 = jnp.arange(self.window)[None, None, :] <= (n - start)[:, None, None]  # bool[B,1,W]
 
         def expand(tokens, mask, depth, inputs):
-            logits, _, _ = apply(self.config, params, tokens, cache, n[:, None] + depth, mask, defer_writes=True)
+            seen = jnp.broadcast_to(up_to_t0, (tokens.shape[0], tokens.shape[1], self.window))
+            logits, _, _ = apply(self.config, params, tokens, cache, n[:, None] + depth, mask, defer_writes=True,
+                                 pending=(block, seen))
             return logits[:, -self.tree.topk:], None
 
         vocab_map = params.get("vocab_map")
         return grow_dynamic_tree(self.tree, nodes, first, None, expand, vocab_map, ctx.grammar,
-                                 drafter_sampling(ctx, vocab_map, self.config.vocab_size)), cache
+                                 drafter_sampling(ctx, vocab_map, self.config.vocab_size)), block
+
+    def _read(self, params, cache: KVCache, tokens: jax.Array, width: int) -> tuple[jax.Array, KVBlock]:
+        """Reads ``width`` tokens of ``tokens: i32[B,T]`` from the slot ``cache.lengths`` on, at their slots (past
+        the committed ones, junk that a later round overwrites), without writing the cache. Returns their
+        final-norm states f32[B,width,H] and their keys/values."""
+        slots = cache.lengths[:, None] + jnp.arange(width)[None, :]
+        window = jnp.take_along_axis(tokens, jnp.minimum(slots, tokens.shape[1] - 1), axis=1)
+        _, normed, block = apply(self.config, params, window, cache, slots, hidden_layers=(FINAL_NORM,),
+                                 compute_logits=False, defer_writes=True)
+        return normed[0], block
+
+    def _block(self, batch: int, steps: int) -> KVBlock:
+        """An empty block of ``steps`` tokens in this draft's cache layout."""
+        cfg = self.config
+        return KVBlock.zeros(cfg.num_layers, batch, steps, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+
+
+class DraftWrite(NamedTuple):
+    """What a proposal fed the draft, written by `ModelDrafter.settle` after the engine's per-size switch."""
+
+    block: KVBlock  # keys/values of slots start + c (a width that depends on the proposal; the engine pads it)
+    start: jax.Array  # i32[B] the slot the block is written from: the first the cache lacked (capacity: none)
+    lengths: jax.Array  # i32[B] the cache's length after the write
 
 
 def _first_missing(cache: KVCache, n: jax.Array) -> jax.Array:

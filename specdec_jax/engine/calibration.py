@@ -268,7 +268,8 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
 # How costs are measured, and the revision of the forward pass they were measured on: changing
 # either makes every cached calibration stale.
 METHOD = ("rounds in a loop, drafting less an idle step, draft lengths timed in turn; forward pass r3 (layer "
-          "matrices [out, in]); greedy rounds reduce logits inside the width branch; the run's capacity")
+          "matrices [out, in]); greedy rounds reduce logits inside the width branch; the run's capacity; a "
+          "drafter's cache written after the per-size switch")
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:

@@ -112,11 +112,13 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     else:
         weight = shape.row_weights(policy, state.acceptance, live, room, found)
         draft_choice = shape.choose_draft(policy, state.acceptance, weight, room)
+    drafter_state = state.drafter_state
     if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
-        proposal, drafter_state = spec.drafter.propose(params.drafter, state.drafter_state, ctx, spec.gamma)
+        proposal, update = spec.drafter.propose(params.drafter, drafter_state, ctx, spec.gamma)
     else:
-        drafter_state = spec.drafter.resume(params.drafter, state.drafter_state, ctx, draft_choice > 0)
-        proposal, drafter_state = _propose_chosen(spec, params, drafter_state, ctx, draft_choice)
+        drafter_state = spec.drafter.resume(params.drafter, drafter_state, ctx, draft_choice > 0)
+        proposal, update = _propose_chosen(spec, params, drafter_state, ctx, draft_choice)
+    drafter_state = spec.drafter.settle(params.drafter, drafter_state, update)
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
     if ctx.grammar is not None and proposal.parents is None:
         cap = jnp.minimum(cap, allowed_prefix(ctx.grammar, proposal.drafts))
@@ -134,18 +136,28 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
 
 
 def _propose_chosen(spec: EngineSpec, params: EngineParams, drafter_state, ctx: DraftContext, index: jax.Array):
-    """The drafter's proposal at policy.gammas[index] (a `lax.switch` over `shape.draft_options`),
-    padded to G drafts and to the structure of a G-draft proposal."""
+    """The drafter's ``(proposal, update)`` at policy.gammas[index] (a `lax.switch` over
+    `shape.draft_options`), the proposal padded to G drafts and to the structure of a G-draft proposal, the
+    update's arrays with zeros to a G-draft update's shapes. The state is an operand of the switch, not
+    one of its outputs: a drafter that returns only what it changed (`Drafter.settle`) keeps its cache
+    out of the switch, which would copy it every round."""
     def at(gamma: int):
         def run(drafter_state):
-            proposal, drafter_state = spec.drafter.propose(params.drafter, drafter_state, ctx, gamma)
-            return _pad_proposal(proposal, full), drafter_state
+            proposal, update = spec.drafter.propose(params.drafter, drafter_state, ctx, gamma)
+            return _pad_proposal(proposal, full), _pad_update(update, full_update)
         return run
 
-    full = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma)[0], drafter_state)
+    full, full_update = jax.eval_shape(lambda s: spec.drafter.propose(params.drafter, s, ctx, spec.gamma),
+                                       drafter_state)
     options = shape.draft_options(spec.policy)
     branch = jnp.searchsorted(jnp.asarray(options), jnp.asarray(spec.policy.gammas)[index])
     return jax.lax.switch(branch, [at(g) for g in options], drafter_state)
+
+
+def _pad_update(update, like):
+    """``update`` (a drafter's pytree) with each array padded at the end of every axis with zeros to the
+    shape of ``like``'s (the same pytree at the widest proposal)."""
+    return jax.tree.map(lambda x, l: jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, l.shape)]), update, like)
 
 
 def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:

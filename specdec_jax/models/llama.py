@@ -224,6 +224,7 @@ def apply(
     *,
     compute_logits: bool = True,
     defer_writes: bool = False,
+    pending: tuple[KVBlock, jax.Array] | None = None,
 ) -> tuple[jax.Array | None, jax.Array | None, KVCache | KVBlock]:
     """The target pass of ``specdec_jax.target`` (its docstring fixes the semantics).
 
@@ -235,12 +236,17 @@ def apply(
     entries are layer indices ``0..L-1`` (the residual stream after that layer) or
     ``FINAL_NORM`` (-1). The layer loop is unrolled (a ``lax.scan`` would slice,
     hence copy, every weight each step).
+
+    ``pending = (block, seen)`` (with ``defer_writes`` only): keys/values of earlier passes not yet
+    written to the cache (a `KVBlock` of P tokens) and which of them each query sees, ``seen:
+    bool[B,S,P]``; a drafter that writes its cache once per round attends to them beside the cache
+    (`drafters.model`).
     """
     for layer in hidden_layers:
         if not (layer == FINAL_NORM or 0 <= layer < cfg.num_layers):
             raise ValueError(f"hidden layer {layer} is not in 0..{cfg.num_layers - 1} or FINAL_NORM (-1)")
     x, after_layer, cache = run_layers(cfg, params, params["embed"][tokens], cache, positions, block_mask,
-                                       defer_writes=defer_writes)
+                                       defer_writes=defer_writes, pending=pending)
     normed = None
     if compute_logits or FINAL_NORM in hidden_layers:
         normed = after_layer[FINAL_NORM] = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -252,25 +258,31 @@ def apply(
 
 def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, cache: KVCache,
                positions: jax.Array, block_mask: jax.Array | None = None, *,
-               defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, dict, KVCache | KVBlock]:
+               defer_writes: bool = False, visible: jax.Array | None = None,
+               pending: tuple[KVBlock, jax.Array] | None = None) -> tuple[jax.Array, dict, KVCache | KVBlock]:
     """The decoder layers over input states ``x: f32[B,S,H]`` (semantics of :func:`apply`).
 
     Returns ``(x after the last layer, {layer index: its residual stream f32[B,S,H]}, cache)``;
     with ``defer_writes`` the cache is only read and the block's keys/values come back as a
     ``KVBlock`` instead (write them with ``cache.write_block``). ``visible bool[B,S,W]``
     (written path only) replaces `visibility`: query s sees slot j of the cache, the block
-    included (an EAGLE-3 training-time-test step sees its own chain, `distill.kinds`).
+    included (an EAGLE-3 training-time-test step sees its own chain, `distill.kinds`). ``pending``
+    (deferred path only): earlier passes' unwritten keys/values, as in :func:`apply`.
     Also the body of a one-layer drafter head that feeds its own inputs (EAGLE).
     """
     batch, steps = x.shape[:2]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     if visible is not None and (defer_writes or block_mask is not None):
         raise ValueError("visible replaces block_mask, on the written path only")
+    if pending is not None and not defer_writes:
+        raise ValueError("pending keys/values go with defer_writes")
     if defer_writes:  # committed slots from the cache, the block's own tokens from the block
         visible = jnp.broadcast_to(jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None],
                                    (batch, steps, cache.capacity))
         own = jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask
         own = jnp.broadcast_to(own, (batch, steps, steps))
+        if pending is not None:  # the block's tokens see the pending ones first, in the softmax's key order
+            own = jnp.concatenate([pending[1], own], axis=2)
         new_k, new_v = [], []
     elif visible is None:
         visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
@@ -290,7 +302,10 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
             q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if defer_writes:
-            attn = attention(q, cache.k[index], cache.v[index], visible, (k, v, own))
+            block_k, block_v = (k, v) if pending is None else (
+                jnp.concatenate([pending[0].k[index], k.astype(pending[0].k[index].dtype)], axis=1),
+                jnp.concatenate([pending[0].v[index], v.astype(pending[0].v[index].dtype)], axis=1))
+            attn = attention(q, cache.k[index], cache.v[index], visible, (block_k, block_v, own))
             new_k.append(k)
             new_v.append(v)
         else:
