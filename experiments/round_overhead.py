@@ -7,13 +7,17 @@ experiments/README.md; writes results.json and table.md to experiments/results/r
     python experiments/round_overhead.py --batches 1 4 16 --capacities 512 1024 [--repeats 5]
     python experiments/round_overhead.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
         --batches 1 --capacities 512 --rounds 32 --out experiments/results/round_overhead_pair
+    python experiments/round_overhead.py --head eagle3 --batches 1 13 --capacities 512 \
+        --out experiments/results/round_overhead_heads/eagle3   (likewise --head dflash)
 
 A shape policy's program runs every round through the draft and verify
 `lax.switch`es, and carries columns for the widest shape; when it chooses
 gamma 0 it should cost what plain decoding (gamma 0, no policy) costs. For each
 batch size and KV capacity this times, on SmolLM2-135M with the n-gram drafter
 (or `--model` with the draft model `--draft-model`, which skips the rounds that
-draft nothing and catches up only when drafting resumes: `drafters.model`) and rows of
+draft nothing and catches up only when drafting resumes: `drafters.model`; or with `--head` a
+random EAGLE-3 head, which skips them too, or a 1-layer DFlash drafter with blocks of 16, which
+writes the context of the committed tokens every round) and rows of
 64 random tokens, rounds in a loop as the decoding loop runs them
 (`engine.calibration.time_rounds`' method: 8 rounds, or `--rounds`, per timed call from the prefilled
 state, the state donated): plain rounds, and auto rounds forced to draft and verify nothing
@@ -34,6 +38,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from block_cost import dflash_drafter, eagle3_drafter
 from common import RESULTS, save
 
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
@@ -69,6 +74,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--draft-model", default=None, help="a draft model instead of the n-gram drafter")
+    parser.add_argument("--head", choices=["eagle3", "dflash"], default=None,
+                        help="a random EAGLE-3 head or 1-layer DFlash drafter at the target's widths instead")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--capacities", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
@@ -79,7 +86,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     target = load_model(args.model)
-    if args.draft_model is None:
+    if args.head is not None:  # what a round costs does not depend on the weights
+        drafter = eagle3_drafter(target, args.model) if args.head == "eagle3" else dflash_drafter(target, 1, 16)
+        draft_cost = 1.0
+    elif args.draft_model is None:
         drafter, draft_cost = NgramDrafter(), 0.0  # a free drafter: the policy drafts G every round
     else:
         draft = load_model(args.draft_model)

@@ -16,9 +16,11 @@ the compiled program as inputs rather than as constants:
                                              (vocabulary, widths, mesh axes)
     init(params, prefill: PrefillContext) -> state
     resume(params, state, ctx: DraftContext, drafting) -> state
-                                             with a shape policy, before each proposal (drafting: bool[],
-                                             whether it has drafts): a drafter that skips the rounds
-                                             without drafts catches up here, compiled once for all sizes
+                                             every round, before the proposal and outside the per-size
+                                             switch (drafting: bool[], whether the round has drafts; always
+                                             true at a fixed gamma): a drafter that skips the rounds without
+                                             drafts catches up here, compiled once for all sizes, and one
+                                             that keeps its cache in step writes it here
     propose(params, state, ctx: DraftContext, gamma) -> (Proposal, update)
     settle(params, state, update) -> state   after the proposal, outside the per-size switch (default: the
                                              update is the new state)

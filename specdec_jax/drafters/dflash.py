@@ -8,7 +8,8 @@ at position j) and ``v_proj_l(c_j)``: the context is never run through the layer
 
 A round with ``n`` committed tokens (t0 at index n - 1, without target features yet) and ``e`` tokens
 emitted by the last round first writes the context of the tokens the last verify pass committed
-(`DraftContext.features`, slots n-1-e .. n-2), then runs the block ``[t0, mask, ..., mask]`` (B tokens,
+(`DraftContext.features`, slots n-1-e .. n-2; in `resume`, every round, outside the engine's per-size
+switch, inside which a written cache would be copied), then, if it drafts, runs the block ``[t0, mask, ..., mask]`` (B tokens,
 the drafter's trained block size, at positions n-1 .. n+B-2) embedded with the target's embedding (times
 ``embedding_scale``) through the draft layers (Qwen3 layers: q/k norms, SwiGLU). A block query sees
 the context slots < n - 1 and every block token (bidirectional); block keys past what the row's budget
@@ -186,15 +187,20 @@ class DFlashDrafter(DrafterBase):
         cache = self.config.layer.init_cache(batch, prefill.capacity)
         return DFlashState(write_context(self.config, params, cache, prefill.features, positions))
 
+    def resume(self, params, state: DFlashState, ctx: DraftContext, drafting: jax.Array) -> DFlashState:
+        """Every round, drafting or not: the context of the tokens the last verify pass committed (slots
+        n-1-e .. n-2), written before the engine's per-size switch, inside which `propose` only reads it."""
+        n = ctx.num_tokens
+        start = n - 1 - ctx.last_emit
+        positions = start[:, None] + jnp.arange(ctx.features.shape[1], dtype=jnp.int32)[None, :]
+        cache = write_context(self.config, params, state.cache.with_lengths(start), ctx.features, positions)
+        return DFlashState(cache.with_lengths(n - 1))
+
     def propose(self, params, state: DFlashState, ctx: DraftContext, gamma: int):
-        cfg, n = self.config, ctx.num_tokens
-        start = n - 1 - ctx.last_emit  # the tokens the last verify pass committed: slots start .. n - 2
-        width = ctx.features.shape[1]
-        positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        cache = write_context(cfg, params, state.cache.with_lengths(start), ctx.features, positions)
-        cache = cache.with_lengths(n - 1)
-        if gamma == 0:  # a round without speculation: the context kept in step, no block pass
-            return empty_proposal(n.shape[0]), DFlashState(cache)
+        """``(Proposal, None)``: the block pass reads the context `resume` wrote; the state is unchanged."""
+        cfg, n, cache = self.config, ctx.num_tokens, state.cache
+        if gamma == 0:  # a round without speculation: no block pass
+            return empty_proposal(n.shape[0]), None
         block = cfg.block_size
         t0 = jnp.take_along_axis(ctx.tokens, (n - 1)[:, None], axis=1)
         tokens = jnp.concatenate([t0, jnp.full((n.shape[0], block - 1), cfg.mask_token, jnp.int32)], axis=1)
@@ -209,4 +215,8 @@ class DFlashDrafter(DrafterBase):
             return jax.lax.dynamic_index_in_dim(carry, index + 1, axis=1, keepdims=False), carry
 
         proposal, _ = draw_chain(ctx, gamma, logits[:, 0], following, logits, cfg.layer.vocab_size)
-        return proposal, DFlashState(cache)
+        return proposal, None
+
+    def settle(self, params, state: DFlashState, update: None) -> DFlashState:
+        """A proposal changes nothing: the state is `resume`'s."""
+        return state

@@ -23,11 +23,19 @@ tokens (t0 at index n - 1) and `e` tokens emitted by the last round:
 2. gamma - 1 single steps feed draft i with the head's previous output at slot
    n - 2 + i and give the logits of draft i + 1.
 
-With gamma 0 (a round the engine's shape policy does not speculate) only step 1
-runs, without the LM head, so the cache stays in step with the committed tokens.
-In the first round (e = 0) the block re-encodes slot n - 2 from the prompt's
-feature kept by `init`. A row whose sequence is a single token has no feature
-yet and proposes nothing.
+A round with gamma 0 (the engine's shape policy does not speculate) does not
+run the head at all: its cache falls behind, as the draft model's does
+(`drafters.model`). The head keeps the projected features of the latest
+``max_lag`` committed tokens in a ring (row j % max_lag holds token j's,
+written each round in `resume` from the last verify pass), and a round that
+drafts again first catches up in `resume`: passes of ``catch_up`` slots from
+the first slot the head lacks (the cache's ``lengths``) up to the round's
+block, from the ring's features. The ring bounds the lag: a row that would
+fall more than ``max_lag`` tokens behind before its next round catches up in
+this one, drafting or not (so ``max_lag`` must be at least twice G + 1). In
+the first round (e = 0) the block re-encodes slot n - 2 from the prompt's
+feature, which `init` leaves in the ring. A row whose sequence is a single
+token has no feature yet and proposes nothing.
 
 With a `TreeShape` (depth D, top-k K, N nodes) step 2 grows EAGLE-2's dynamic
 tree instead (`drafters.dynamic_tree`): the frontier nodes are fed, with their
@@ -55,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
-from specdec_jax.drafters.chain import draw_chain, drafter_sampling
+from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import KVCache
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
@@ -131,6 +139,11 @@ def init_eagle(cfg: EagleConfig, key: jax.Array, head_rows: np.ndarray | None = 
     return arrays
 
 
+def _block_start(n: jax.Array, emitted: jax.Array) -> jax.Array:
+    """i32[B]: the first slot a round's block re-encodes (``n`` committed, ``emitted`` by the last round)."""
+    return jnp.maximum(n - 1 - jnp.maximum(emitted, 1), 0)
+
+
 def project(cfg: EagleConfig, params, features: jax.Array) -> jax.Array:
     """f32[..., H]: target features f32[..., k, H] in the head's input space."""
     if len(cfg.feature_layers) == 1:
@@ -159,10 +172,14 @@ def head_logits(cfg: EagleConfig, params, target: TargetModel, target_params, h:
     return (h @ params["lm_head"]).astype(jnp.float32)
 
 
+MAX_LAG = 64  # committed tokens whose features the head keeps for catching up (module docstring)
+CATCH_UP = 16  # slots per catch-up pass
+
+
 @flax.struct.dataclass
 class EagleState:
-    cache: KVCache  # the head's cache, one layer
-    last_feature: jax.Array  # f32[B,H] projected target feature of token n - 2 (for a round after e = 0)
+    cache: KVCache  # the head's cache, one layer; lengths: the first slot it lacks
+    features: jax.Array  # f32[B,R,H] projected target features of the latest R committed tokens, token j at j % R
 
 
 class HeadFunctions(NamedTuple):
@@ -190,9 +207,13 @@ class EagleDrafter(DrafterBase):
         project, head_pass, lambda cfg, params, target, target_params, h: (
             head_logits(cfg, params, target, target_params, h), h))
     what: ClassVar[str] = "the EAGLE head"
+    max_lag: int = MAX_LAG  # R: how far behind the head may fall (module docstring)
+    catch_up: int = CATCH_UP  # slots per catch-up pass
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
+        if self.max_lag < 2 or self.catch_up < 1:
+            raise ValueError(f"max_lag must be at least 2 and catch_up at least 1, got {self.max_lag}, {self.catch_up}")
 
     @property
     def reads_hidden(self) -> tuple[int, ...]:
@@ -227,7 +248,8 @@ class EagleDrafter(DrafterBase):
         return self.config.layer
 
     def init(self, params, prefill: PrefillContext) -> EagleState:
-        """The head's cache over the prompt (input j: token j + 1 with the prompt's feature j)."""
+        """The head's cache over the prompt (input j: token j + 1 with the prompt's feature j), and the ring of
+        the prompt's latest features."""
         prompts = prefill.prompts
         batch, width = prompts.shape
         inputs = self._project(params, prefill.features)  # f32[B,P,H]
@@ -235,27 +257,62 @@ class EagleDrafter(DrafterBase):
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (batch, width))
         _, cache = self._pass(params, prefill, following, inputs, self._layer().init_cache(batch, prefill.capacity),
                               positions)
-        last = jnp.take_along_axis(inputs, jnp.maximum(prefill.prompt_lens - 2, 0)[:, None, None], axis=1)[:, 0]
-        return EagleState(cache=cache, last_feature=last)
+        ring = jnp.arange(self.max_lag)[None, :]  # the latest prompt index j < prompt_lens with j % R == row
+        index = prefill.prompt_lens[:, None] - 1 - (prefill.prompt_lens[:, None] - 1 - ring) % self.max_lag
+        features = jnp.take_along_axis(inputs, jnp.clip(index, 0, width - 1)[:, :, None], axis=1)
+        first_round = jnp.maximum(prefill.prompt_lens - 2, 0)  # the first round's block starts at slot n - 2
+        return EagleState(cache=cache.with_lengths(first_round), features=features)
+
+    def resume(self, params, state: EagleState, ctx: DraftContext, drafting: jax.Array) -> EagleState:
+        """The last verify pass's features into the ring; then, before a round that drafts (or when a row would
+        otherwise fall out of the ring's reach), passes of ``catch_up`` slots up to the round's block
+        (module docstring)."""
+        n, emitted, width = ctx.num_tokens, ctx.last_emit, ctx.features.shape[1]
+        if self.max_lag < 2 * width:
+            raise ValueError(f"max_lag {self.max_lag} must be at least twice the widest verify pass ({width})")
+        features = self._remember(state.features, self._project(params, ctx.features), n - 1 - emitted, emitted)
+        block = _block_start(n, emitted)
+
+        def behind(cache):
+            lacking = (ctx.room > 0) & (cache.lengths < block)
+            out_of_reach = n + width - 1 - cache.lengths > self.max_lag  # after the next round's features
+            return jnp.any(lacking & (drafting | out_of_reach))
+
+        def catch_up(cache):
+            slots = cache.lengths[:, None] + jnp.arange(self.catch_up)[None, :]
+            tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(slots + 1, ctx.tokens.shape[1] - 1), axis=1)
+            inputs = jnp.take_along_axis(features, (slots % self.max_lag)[:, :, None], axis=1)
+            _, written = self._pass(params, ctx, tokens, inputs, cache, slots)
+            return written.with_lengths(jnp.minimum(cache.lengths + self.catch_up, jnp.maximum(block, cache.lengths)))
+
+        return EagleState(cache=jax.lax.while_loop(behind, catch_up, state.cache), features=features)
+
+    def _remember(self, ring: jax.Array, inputs: jax.Array, first: jax.Array, count: jax.Array) -> jax.Array:
+        """``ring`` f32[B,R,H] with ``inputs[:, s]`` (f32[B,S,H]) at row ``(first + s) % R`` for ``s < count``."""
+        s = jnp.arange(inputs.shape[1])[None, :]
+        rows = jnp.where(s < count[:, None], (first[:, None] + s) % self.max_lag, self.max_lag)  # R: dropped
+        return ring.at[jnp.arange(ring.shape[0])[:, None], rows].set(inputs.astype(ring.dtype), mode="drop")
 
     def _reencode(self, params, state: EagleState, ctx: DraftContext):
-        """The round's block pass (module docstring, step 1): ``(h f32[B,H] at slot n - 2, cache, the
-        projected feature of token n - 2 f32[B,H])``."""
+        """The round's block pass (module docstring, step 1): ``(h f32[B,H] at slot n - 2, cache)``."""
         n, emitted = ctx.num_tokens, ctx.last_emit
         block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
-        start = jnp.maximum(n - 1 - block, 0)
+        start = _block_start(n, emitted)
         column = jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: what one verify pass can commit
         tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1),
                                      axis=1)
         fresh = emitted[:, None, None] >= 1
-        inputs = jnp.where(fresh, self._project(params, ctx.features), state.last_feature[:, None, :])
+        kept = jnp.take_along_axis(state.features, (jnp.maximum(n - 2, 0) % self.max_lag)[:, None, None], axis=1)
+        inputs = jnp.where(fresh, self._project(params, ctx.features), kept)  # kept: token n - 2's, for e = 0
         h, cache = self._pass(params, ctx, tokens, inputs, state.cache.with_lengths(start), start[:, None] + column)
         newest = lambda a: jnp.take_along_axis(a, (block - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
-        return newest(h), cache, jnp.where(fresh[:, 0], newest(inputs), state.last_feature)
+        return newest(h), cache
 
     def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int):
         n = ctx.num_tokens
-        h_last, cache, last_feature = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
+        if gamma == 0:  # the head falls behind (module docstring)
+            return empty_proposal(n.shape[0], tree=self.tree is not None), state
+        h_last, cache = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
         first, fed = self._logits(params, ctx, h_last)
         if self.tree is not None:
             proposal = self._dynamic_tree(params, cache, first, fed, ctx, gamma)
@@ -271,7 +328,7 @@ class EagleDrafter(DrafterBase):
             proposal, (cache, _) = draw_chain(ctx, gamma, first, feed, (cache, fed), self._layer().vocab_size,
                                               params.get("vocab_map"))
         proposal = proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))
-        return proposal, EagleState(cache=cache, last_feature=last_feature)
+        return proposal, state.replace(cache=cache.with_lengths(jnp.maximum(n - 1, 0)))  # real features below n - 1
 
     def _dynamic_tree(self, params, cache: KVCache, first: jax.Array, fed: jax.Array, ctx: DraftContext,
                       nodes: int) -> Proposal:

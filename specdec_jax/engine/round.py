@@ -112,11 +112,12 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
     else:
         weight = shape.row_weights(policy, state.acceptance, live, room, found)
         draft_choice = shape.choose_draft(policy, state.acceptance, weight, room)
-    drafter_state = state.drafter_state
-    if policy is None or policy.free_drafts:  # a fixed gamma, or a free drafter: always G drafts
+    fixed = policy is None or policy.free_drafts  # a fixed gamma, or a free drafter: always G drafts
+    drafting = jnp.asarray(True) if fixed else draft_choice > 0
+    drafter_state = spec.drafter.resume(params.drafter, state.drafter_state, ctx, drafting)
+    if fixed:
         proposal, update = spec.drafter.propose(params.drafter, drafter_state, ctx, spec.gamma)
     else:
-        drafter_state = spec.drafter.resume(params.drafter, drafter_state, ctx, draft_choice > 0)
         proposal, update = _propose_chosen(spec, params, drafter_state, ctx, draft_choice)
     drafter_state = spec.drafter.settle(params.drafter, drafter_state, update)
     cap = room if proposal.parents is None else jnp.where(room > 0, spec.gamma, 0)
@@ -157,7 +158,10 @@ def _propose_chosen(spec: EngineSpec, params: EngineParams, drafter_state, ctx: 
 def _pad_update(update, like):
     """``update`` (a drafter's pytree) with each array padded at the end of every axis with zeros to the
     shape of ``like``'s (the same pytree at the widest proposal)."""
-    return jax.tree.map(lambda x, l: jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, l.shape)]), update, like)
+    def pad(x, like):
+        return x if x.shape == like.shape else jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
+
+    return jax.tree.map(pad, update, like)
 
 
 def _pad_proposal(proposal: Proposal, like: Proposal) -> Proposal:
