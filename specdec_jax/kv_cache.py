@@ -23,6 +23,8 @@ attention and overwritten by the next write, never zeroed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -142,3 +144,16 @@ class KVCache:
         for layer, (k, v) in enumerate(zip(block.k, block.v)):
             cache = cache.write(layer, k, v)
         return cache
+
+
+class CacheWrite(NamedTuple):
+    """Keys/values a drafter's proposal computed without writing its cache, for its ``settle`` hook to write
+    after the engine's per-size switch (docs/design.md section 3, "Writes outside conditionals and loops")."""
+
+    block: KVBlock  # keys/values of slots start + c (a width that may depend on the proposal; the engine pads it)
+    start: jax.Array  # i32[B] the slot the block is written from (the capacity: nothing written)
+    lengths: jax.Array  # i32[B] the cache's length after the write
+
+    def into(self, cache: KVCache) -> KVCache:
+        """``cache`` with the block written from ``start`` on and its lengths set to ``lengths``."""
+        return cache.with_lengths(self.start).write_block(self.block).with_lengths(self.lengths)

@@ -26,7 +26,8 @@ from specdec_jax import engine
 from specdec_jax.engine import batching, generation
 from specdec_jax.engine import round as engine_round
 from specdec_jax.compare import compare_rows, first_divergence
-from specdec_jax.drafters import ModelDrafter
+from specdec_jax.drafters import EagleDrafter, ModelDrafter
+from specdec_jax.drafters.eagle import EagleConfig, init_eagle
 from specdec_jax.drafters.base import DrafterBase, Proposal
 from specdec_jax.engine import ShapePolicy, generate
 from specdec_jax.metrics import Metrics
@@ -431,20 +432,25 @@ def test_each_round_verifies_at_the_narrowest_width_that_holds_its_drafts(count,
 
 
 @pytest.mark.parametrize("drafter,gamma,policy", [("ngram", 0, False), ("ngram", H.GAMMA, False),
-                                                   ("model", H.GAMMA, False), ("model", 4, True)])
+                                                   ("model", H.GAMMA, False), ("model", 4, True),
+                                                   ("eagle", H.GAMMA, False), ("eagle", 4, True)])
 def test_rounds_copy_no_cache_buffer(drafter, gamma, policy):
     """The caches are updated in place: two compiled rounds in a loop (state donated, as the decoding loop
-    runs them) hold no copy of a layer's key or value buffer, the target's or the draft model's. A top-level
+    runs them) hold no copy of a layer's key or value buffer, the target's or the drafter's. A top-level
     pass read the cache before commit's in-place write and XLA copied every buffer each plain round
-    (`kv_cache.ordered_read`); the draft model wrote its cache inside the per-size switch and in its chain's
-    loop, and XLA copied its buffers several times a round (`Drafter.settle`)."""
-    draft = H.ngram() if drafter == "ngram" else H.model_drafter()
+    (`kv_cache.ordered_read`); the draft model and the EAGLE head wrote their caches inside the per-size
+    switch, and the draft model in its chain's loop too, and XLA copied their buffers a few times a round
+    (`Drafter.settle`)."""
+    head = EagleConfig(H.target().config.hidden_size, H.target().config.vocab_size, 64, 2, 1, 32)
+    draft = {"ngram": H.ngram, "model": H.model_drafter,
+             "eagle": lambda: EagleDrafter(head, init_eagle(head, jax.random.key(5)))}[drafter]()
     kwargs = dict(policy=ShapePolicy((0, 1, 2, 3, 4), (1.0,) * 5, (0.0,) + (1.0,) * 4)) if policy else dict(gamma=gamma)
     run = engine.prepare(H.target(), H.RAGGED, draft if gamma else None, max_new_tokens=H.MAX_NEW, **kwargs)
     rounds = jax.jit(lambda params, state: jax.lax.fori_loop(
         0, 2, lambda _, s: engine_round.decode_round(run.spec, params, s), state), donate_argnums=1)
     text = rounds.lower(run.params, run.state).compile().as_text()
-    caches = [run.state.cache] + ([run.state.drafter_state] if drafter == "model" else [])
+    own = run.state.drafter_state  # the draft model's cache, or the EAGLE head's state
+    caches = [run.state.cache] + ([] if drafter == "ngram" else [own if drafter == "model" else own.cache])
     shapes = {",".join(map(str, a.shape)) for c in caches for a in (*c.k, *c.v)}
     copies = [line for line in text.splitlines() if " copy(" in line
               and any(f"f32[{s}]" in line.split(" copy(")[0] for s in shapes)]

@@ -23,6 +23,12 @@ tokens (t0 at index n - 1) and `e` tokens emitted by the last round:
 2. gamma - 1 single steps feed draft i with the head's previous output at slot
    n - 2 + i and give the logits of draft i + 1.
 
+Both only read the head's cache: each step attends to the cache below the block
+and to the keys/values of the block and the drafts fed before it, kept in a
+pending `KVBlock`; `settle` writes that block once, after the engine's per-size
+switch (a cache written inside it is copied every round: docs/design.md
+section 3).
+
 A round with gamma 0 (the engine's shape policy does not speculate) does not
 run the head at all: its cache falls behind, as the draft model's does
 (`drafters.model`). The head keeps the projected features of the latest
@@ -65,7 +71,7 @@ import numpy as np
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
 from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import CacheWrite, KVBlock, KVCache, ordered_read
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, TargetModel
@@ -153,16 +159,17 @@ def project(cfg: EagleConfig, params, features: jax.Array) -> jax.Array:
 
 def head_pass(cfg: EagleConfig, params, target: TargetModel, target_params, tokens: jax.Array,
               inputs: jax.Array, cache: KVCache, positions: jax.Array, block_mask: jax.Array | None = None,
-              defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+              defer_writes: bool = False, visible: jax.Array | None = None,
+              pending: tuple[KVBlock, jax.Array] | None = None) -> tuple[jax.Array, KVCache | KVBlock]:
     """``(h f32[B,S,H], cache)``: the head over ``tokens i32[B,S]`` (token j + 1 of each input j) and
     ``inputs f32[B,S,H]`` (projected features or fed-back outputs) at slots ``cache.lengths + s``
-    (``block_mask``, ``defer_writes`` and ``visible`` as in `models.llama.run_layers`; deferred:
-    the cache is only read and returned unchanged)."""
+    (``block_mask``, ``defer_writes``, ``visible`` and ``pending`` as in `models.llama.run_layers`;
+    deferred: the cache is only read, and the pass's keys/values come back as a `KVBlock` in its place)."""
     x = jnp.concatenate([target.embed(target_params, tokens).astype(jnp.float32), inputs], axis=-1)
     x = x @ params["fc"] + params["fc_bias"]
     h, _, written = run_layers(cfg.layer, params, x, cache, positions, block_mask, defer_writes=defer_writes,
-                               visible=visible)
-    return h, (cache if defer_writes else written)
+                               visible=visible, pending=pending)
+    return h, written
 
 
 def head_logits(cfg: EagleConfig, params, target: TargetModel, target_params, h: jax.Array) -> jax.Array:
@@ -185,8 +192,8 @@ class EagleState:
 class HeadFunctions(NamedTuple):
     """The pieces of a head that EAGLE's rounds (`EagleDrafter`) call, each taking the head's config
     and weights first: ``project(cfg, params, features f32[..., k, Ht]) -> f32[..., H]``; ``head_pass(cfg,
-    params, target, target_params, tokens, inputs, cache, positions, block_mask, defer_writes) -> (h, cache)``
-    (`head_pass`'s arguments); ``logits(cfg, params, target, target_params, h) -> (logits f32[..., Vo], fed
+    params, target, target_params, tokens, inputs, cache, positions, block_mask, defer_writes, visible, pending) ->
+    (h, cache or, deferred, the pass's KVBlock)`` (`head_pass`'s arguments); ``logits(cfg, params, target, target_params, h) -> (logits f32[..., Vo], fed
     f32[..., H])``: the next token's logits and what the next draft step is fed."""
 
     project: Callable
@@ -236,10 +243,10 @@ class EagleDrafter(DrafterBase):
     def _project(self, params, features: jax.Array) -> jax.Array:
         return self.head.project(self.config, params, features)
 
-    def _pass(self, params, ctx, tokens, inputs, cache, positions, block_mask=None, defer_writes=False):
+    def _pass(self, params, ctx, tokens, inputs, cache, positions, block_mask=None, defer_writes=False, pending=None):
         """The head's pass with the target of ``ctx`` (a draft or prefill context)."""
         return self.head.head_pass(self.config, params, ctx.target, ctx.target_params, tokens, inputs, cache,
-                                   positions, block_mask, defer_writes)
+                                   positions, block_mask, defer_writes, pending=pending)
 
     def _logits(self, params, ctx, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.head.logits(self.config, params, ctx.target, ctx.target_params, h)
@@ -278,12 +285,14 @@ class EagleDrafter(DrafterBase):
             out_of_reach = n + width - 1 - cache.lengths > self.max_lag  # after the next round's features
             return jnp.any(lacking & (drafting | out_of_reach))
 
-        def catch_up(cache):
+        def catch_up(cache):  # read in a conditional, written after it (`kv_cache.ordered_read`)
             slots = cache.lengths[:, None] + jnp.arange(self.catch_up)[None, :]
             tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(slots + 1, ctx.tokens.shape[1] - 1), axis=1)
             inputs = jnp.take_along_axis(features, (slots % self.max_lag)[:, :, None], axis=1)
-            _, written = self._pass(params, ctx, tokens, inputs, cache, slots)
-            return written.with_lengths(jnp.minimum(cache.lengths + self.catch_up, jnp.maximum(block, cache.lengths)))
+            written = ordered_read(lambda c: self._pass(params, ctx, tokens, inputs, c, slots, defer_writes=True)[1],
+                                   cache)
+            lengths = jnp.minimum(cache.lengths + self.catch_up, jnp.maximum(block, cache.lengths))
+            return cache.write_block(written).with_lengths(lengths)
 
         return EagleState(cache=jax.lax.while_loop(behind, catch_up, state.cache), features=features)
 
@@ -293,54 +302,82 @@ class EagleDrafter(DrafterBase):
         rows = jnp.where(s < count[:, None], (first[:, None] + s) % self.max_lag, self.max_lag)  # R: dropped
         return ring.at[jnp.arange(ring.shape[0])[:, None], rows].set(inputs.astype(ring.dtype), mode="drop")
 
-    def _reencode(self, params, state: EagleState, ctx: DraftContext):
-        """The round's block pass (module docstring, step 1): ``(h f32[B,H] at slot n - 2, cache)``."""
+    def _reencode(self, params, state: EagleState, ctx: DraftContext) -> tuple[jax.Array, KVBlock]:
+        """The round's block pass (module docstring, step 1), reading the cache (``lengths`` = the block's first
+        slot): ``(h f32[B,H] at slot n - 2, the block's keys/values, G + 1 slots from its first)``."""
         n, emitted = ctx.num_tokens, ctx.last_emit
         block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
-        start = _block_start(n, emitted)
+        start = state.cache.lengths
         column = jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: what one verify pass can commit
         tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1),
                                      axis=1)
         fresh = emitted[:, None, None] >= 1
         kept = jnp.take_along_axis(state.features, (jnp.maximum(n - 2, 0) % self.max_lag)[:, None, None], axis=1)
         inputs = jnp.where(fresh, self._project(params, ctx.features), kept)  # kept: token n - 2's, for e = 0
-        h, cache = self._pass(params, ctx, tokens, inputs, state.cache.with_lengths(start), start[:, None] + column)
+        h, written = self._pass(params, ctx, tokens, inputs, state.cache, start[:, None] + column, defer_writes=True)
         newest = lambda a: jnp.take_along_axis(a, (block - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
-        return newest(h), cache
+        return newest(h), written
 
     def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int):
+        """``(Proposal, CacheWrite)``: the head's cache is only read (in a conditional, `kv_cache.ordered_read`);
+        the keys/values of the block and of the fed drafts come back for `settle` to write."""
         n = ctx.num_tokens
-        if gamma == 0:  # the head falls behind (module docstring)
-            return empty_proposal(n.shape[0], tree=self.tree is not None), state
-        h_last, cache = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
-        first, fed = self._logits(params, ctx, h_last)
-        if self.tree is not None:
-            proposal = self._dynamic_tree(params, cache, first, fed, ctx, gamma)
-        else:
-            def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
-                cache, fed = carry
-                slot = n - 1 + step
-                h, cache = self._pass(params, ctx, token[:, None], fed[:, None], cache.with_lengths(slot),
-                                      slot[:, None])
-                logits, fed = self._logits(params, ctx, h[:, 0])
-                return logits, (cache, fed)
-
-            proposal, (cache, _) = draw_chain(ctx, gamma, first, feed, (cache, fed), self._layer().vocab_size,
-                                              params.get("vocab_map"))
+        start = _block_start(n, ctx.last_emit)
+        if gamma == 0:  # the head falls behind (module docstring): nothing written
+            nowhere = jnp.full_like(start, state.cache.capacity)
+            return (empty_proposal(n.shape[0], tree=self.tree is not None),
+                    CacheWrite(self._empty_block(n.shape[0]), nowhere, state.cache.lengths))
+        draft = self._tree if self.tree is not None else self._chain
+        proposal, block = ordered_read(lambda c: draft(params, state.replace(cache=c), ctx, gamma),
+                                       state.cache.with_lengths(start))
         proposal = proposal._replace(num_draft=jnp.where(n >= 2, proposal.num_draft, 0))
-        return proposal, state.replace(cache=cache.with_lengths(jnp.maximum(n - 1, 0)))  # real features below n - 1
+        return proposal, CacheWrite(block, start, jnp.maximum(n - 1, 0))  # real features below slot n - 1
 
-    def _dynamic_tree(self, params, cache: KVCache, first: jax.Array, fed: jax.Array, ctx: DraftContext,
-                      nodes: int) -> Proposal:
-        """EAGLE-2's dynamic tree of ``nodes`` nodes (`drafters.dynamic_tree`): each fed node's input
-        is its parent's fed-back output; the head's cache is read, not written."""
-        n = ctx.num_tokens
+    def settle(self, params, state: EagleState, write: CacheWrite) -> EagleState:
+        """The proposal's keys/values written into the head's cache."""
+        return state.replace(cache=write.into(state.cache))
+
+    def _chain(self, params, state: EagleState, ctx: DraftContext, gamma: int) -> tuple[Proposal, KVBlock]:
+        """gamma drafts: the block pass, then gamma - 1 fed drafts, each attending to the cache below the block
+        and to the pending keys/values of the passes before it (column c: slot ``cache.lengths`` + c)."""
+        n, start = ctx.num_tokens, state.cache.lengths
+        h_last, written = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
+        first, fed = self._logits(params, ctx, h_last)
+        width = ctx.features.shape[1] + gamma - 1  # the block's G + 1 columns, then the drafts fed after it
+        pending = self._empty_block(n.shape[0], width).insert(written, jnp.zeros_like(start))
+
+        def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
+            pending, fed = carry
+            column = n - 1 + step - start
+            seen = jnp.arange(width)[None, None, :] < column[:, None, None]  # the block's real slots, the drafts
+            h, new = self._pass(params, ctx, token[:, None], fed[:, None], state.cache, (n - 1 + step)[:, None],
+                                defer_writes=True, pending=(pending, seen))
+            logits, fed = self._logits(params, ctx, h[:, 0])
+            return logits, (pending.insert(new, column), fed)
+
+        proposal, (pending, _) = draw_chain(ctx, gamma, first, feed, (pending, fed), self._layer().vocab_size,
+                                            params.get("vocab_map"))
+        return proposal, pending
+
+    def _tree(self, params, state: EagleState, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVBlock]:
+        """EAGLE-2's dynamic tree of ``nodes`` nodes (`drafters.dynamic_tree`) over the block pass: each fed
+        node's input is its parent's fed-back output, under the ancestor mask; only the block is written."""
+        n, start = ctx.num_tokens, state.cache.lengths
+        h_last, written = self._reencode(params, state, ctx)
+        first, fed = self._logits(params, ctx, h_last)
+        block_slots = jnp.arange(ctx.features.shape[1])[None, None, :] < (n - 1 - start)[:, None, None]
 
         def expand(tokens, mask, depth, inputs):
-            h, _ = self._pass(params, ctx, tokens, inputs, cache.with_lengths(n - 1), n[:, None] - 2 + depth, mask,
-                              defer_writes=True)
+            seen = jnp.broadcast_to(block_slots, (tokens.shape[0], tokens.shape[1], block_slots.shape[2]))
+            h, _ = self._pass(params, ctx, tokens, inputs, state.cache, n[:, None] - 2 + depth, mask,
+                              defer_writes=True, pending=(written, seen))
             return self._logits(params, ctx, h[:, -self.tree.topk:])
 
         vocab_map = params.get("vocab_map")
         return grow_dynamic_tree(self.tree, nodes, first, fed, expand, vocab_map, ctx.grammar,
-                                 drafter_sampling(ctx, vocab_map, self._layer().vocab_size))
+                                 drafter_sampling(ctx, vocab_map, self._layer().vocab_size)), written
+
+    def _empty_block(self, batch: int, steps: int = 1) -> KVBlock:
+        """An empty block of ``steps`` tokens in the head's cache layout."""
+        layer = self._layer()
+        return KVBlock.zeros(layer.num_layers, batch, steps, layer.num_kv_heads, layer.head_dim, jnp.dtype(layer.dtype))

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from specdec_jax.drafters.base import check_tree_topk
 from specdec_jax.drafters.eagle import EagleDrafter, HeadFunctions
-from specdec_jax.kv_cache import KVCache
+from specdec_jax.kv_cache import KVBlock, KVCache
 from specdec_jax.models.llama import (LlamaConfig, attention, layer_params, linear, param_shapes, rms_norm,
                                       run_layers, visibility)
 from specdec_jax.models.rope import apply_rope, rope_tables
@@ -117,10 +117,11 @@ def project(cfg: Eagle3Config, params, features: jax.Array) -> jax.Array:
 
 
 def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cache: KVCache, cos, sin,
-                 block_mask: jax.Array | None, defer_writes: bool,
-                 visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 block_mask: jax.Array | None, defer_writes: bool, visible: jax.Array | None = None,
+                 pending: tuple[KVBlock, jax.Array] | None = None) -> tuple[jax.Array, KVCache | KVBlock]:
     """The first decoder layer over ``embeds, x f32[B,S,H]`` (module docstring) with its one-layer ``cache``
-    (``visible`` as in `models.llama.run_layers`)."""
+    (``visible`` and ``pending`` as in `models.llama.run_layers`; deferred: the pass's one-layer `KVBlock`
+    in the cache's place)."""
     layer, eps = cfg.layer, cfg.layer.rms_norm_eps
     w = {name: params[name][0] for name in layer_params(layer)}
     batch, steps = x.shape[:2]
@@ -135,9 +136,16 @@ def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cac
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if defer_writes:  # committed slots from the cache, the fed nodes from the block (ancestors only)
         committed = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]
-        own = jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask
+        own = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask,
+                               (batch, steps, steps))
+        block_k, block_v = k, v
+        if pending is not None:  # earlier passes' keys/values first, as `models.llama.run_layers` orders them
+            block_k = jnp.concatenate([pending[0].k[0], k.astype(pending[0].k[0].dtype)], axis=1)
+            block_v = jnp.concatenate([pending[0].v[0], v.astype(pending[0].v[0].dtype)], axis=1)
+            own = jnp.concatenate([pending[1], own], axis=2)
         attn = attention(q, cache.k[0], cache.v[0], jnp.broadcast_to(committed, (batch, steps, cache.capacity)),
-                         (k, v, jnp.broadcast_to(own, (batch, steps, steps))))
+                         (block_k, block_v, own))
+        cache = KVBlock((k,), (v,))
     else:
         cache = cache.write(0, k, v)
         if visible is None:
@@ -150,22 +158,27 @@ def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cac
 
 def head_pass(cfg: Eagle3Config, params, target: TargetModel, target_params, tokens: jax.Array, inputs: jax.Array,
               cache: KVCache, positions: jax.Array, block_mask: jax.Array | None = None,
-              defer_writes: bool = False, visible: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+              defer_writes: bool = False, visible: jax.Array | None = None,
+              pending: tuple[KVBlock, jax.Array] | None = None) -> tuple[jax.Array, KVCache | KVBlock]:
     """``(h f32[B,S,H], cache)``: the decoder over ``tokens i32[B,S]`` (token j + 1 of input j) and
     ``inputs f32[B,S,H]`` (projected features or fed-back outputs) at slots ``cache.lengths + s``;
-    deferred (a dynamic tree's fed nodes under ``block_mask``): the cache is read, returned unchanged;
-    ``visible bool[B,S,capacity]``: which slots each input sees (the training-time test, `distill.kinds`)."""
+    deferred (a dynamic tree's fed nodes under ``block_mask``, or a proposal's passes with the ``pending``
+    keys/values of the passes before them, as in `models.llama.run_layers`): the cache is only read, and the
+    pass's keys/values come back as a `KVBlock` in its place; ``visible bool[B,S,capacity]``: which slots
+    each input sees (the training-time test, `distill.kinds`)."""
     embeds = params["embed"][tokens] if cfg.own_embedding else target.embed(target_params, tokens)
     cos, sin = rope_tables(positions, cfg.layer.head_dim, cfg.layer.rope_theta, cfg.layer.rope_scaling)
     first = cache.replace(k=cache.k[:1], v=cache.v[:1])
+    layer = lambda i: None if pending is None else (KVBlock(pending[0].k[i], pending[0].v[i]), pending[1])  # noqa: E731
     h, first = _first_layer(cfg, params, embeds.astype(jnp.float32), inputs, first, cos, sin, block_mask,
-                            defer_writes, visible)
+                            defer_writes, visible, layer(slice(0, 1)))
     if cfg.rest is None:
-        return h, (cache if defer_writes else first)
+        return h, first
     rest = cache.replace(k=cache.k[1:], v=cache.v[1:])
     h, _, rest = run_layers(cfg.rest, params["rest"], h, rest, positions, block_mask, defer_writes=defer_writes,
-                            visible=visible)
-    return h, (cache if defer_writes else cache.replace(k=first.k + rest.k, v=first.v + rest.v))
+                            visible=visible, pending=layer(slice(1, None)))
+    joined = KVBlock if defer_writes else cache.replace
+    return h, joined(k=first.k + rest.k, v=first.v + rest.v)
 
 
 def head_logits(cfg: Eagle3Config, params, h: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -47,7 +47,7 @@ cache lacks, ending at or past t0) in place of the chain's window.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
 from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
-from specdec_jax.kv_cache import KVBlock, KVCache, ordered_read
+from specdec_jax.kv_cache import CacheWrite, KVBlock, KVCache, ordered_read
 from specdec_jax.models.llama import LlamaConfig, apply, forward, lm_head
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM
@@ -128,22 +128,22 @@ class ModelDrafter(DrafterBase):
         return jax.lax.while_loop(behind, catch_up, cache)
 
     def propose(self, params, cache, ctx: DraftContext, gamma: int):
-        """``(Proposal, DraftWrite)``: the cache is only read (in a conditional, `kv_cache.ordered_read`); what
+        """``(Proposal, CacheWrite)``: the cache is only read (in a conditional, `kv_cache.ordered_read`); what
         the round fed comes back as a block that `settle` writes (module docstring)."""
         n = ctx.num_tokens - 1  # slot of t0
         start = _first_missing(cache, n)
         if gamma == 0:  # the cache falls behind (module docstring), its drafts past the first missing slot dropped
             nowhere = jnp.full_like(start, cache.capacity)  # past the last slot: the block is dropped
-            return empty_proposal(n.shape[0], tree=self.tree is not None), DraftWrite(self._block(n.shape[0], 1),
+            return empty_proposal(n.shape[0], tree=self.tree is not None), CacheWrite(self._block(n.shape[0], 1),
                                                                                       nowhere, start)
         draft = self._grow if self.tree is not None else self._chain
         proposal, block = ordered_read(lambda c: draft(params, c, ctx, gamma), cache.with_lengths(start))
         fed = n + 1 if self.tree is not None else n + gamma  # t0 and the drafts fed (all but the last)
-        return proposal, DraftWrite(block, start, fed)
+        return proposal, CacheWrite(block, start, fed)
 
-    def settle(self, params, cache: KVCache, write: DraftWrite) -> KVCache:
+    def settle(self, params, cache: KVCache, write: CacheWrite) -> KVCache:
         """The round's fed keys/values written at the first missing slot on, and the cache's new length."""
-        return cache.with_lengths(write.start).write_block(write.block).with_lengths(write.lengths)
+        return write.into(cache)
 
     def _chain(self, params, cache: KVCache, ctx: DraftContext, gamma: int) -> tuple[Proposal, KVBlock]:
         """gamma drafts from the window (``cache.lengths`` = its first slot) and gamma - 1 drafts fed one at a
@@ -199,14 +199,6 @@ class ModelDrafter(DrafterBase):
         """An empty block of ``steps`` tokens in this draft's cache layout."""
         cfg = self.config
         return KVBlock.zeros(cfg.num_layers, batch, steps, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
-
-
-class DraftWrite(NamedTuple):
-    """What a proposal fed the draft, written by `ModelDrafter.settle` after the engine's per-size switch."""
-
-    block: KVBlock  # keys/values of slots start + c (a width that depends on the proposal; the engine pads it)
-    start: jax.Array  # i32[B] the slot the block is written from: the first the cache lacked (capacity: none)
-    lengths: jax.Array  # i32[B] the cache's length after the write
 
 
 def _first_missing(cache: KVCache, n: jax.Array) -> jax.Array:
