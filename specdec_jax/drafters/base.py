@@ -17,10 +17,10 @@ the compiled program as inputs rather than as constants:
     init(params, prefill: PrefillContext) -> state
     resume(params, state, ctx: DraftContext, drafting) -> state
                                              every round, before the proposal and outside the per-size
-                                             switch (drafting: bool[], whether the round has drafts; always
-                                             true at a fixed gamma): a drafter that skips the rounds without
-                                             drafts catches up here, compiled once for all sizes, and one
-                                             that keeps its cache in step writes it here
+                                             switch (drafting: bool[], whether the round has drafts; None at
+                                             a fixed gamma, where every round drafts): a drafter that skips
+                                             the rounds without drafts catches up here, compiled once for
+                                             all sizes, and one that keeps its cache in step writes it here
     propose(params, state, ctx: DraftContext, gamma) -> (Proposal, update)
     settle(params, state, update) -> state   after the proposal, outside the per-size switch (default: the
                                              update is the new state)
@@ -143,7 +143,7 @@ class Drafter(Protocol):
 
     def init(self, params, prefill: PrefillContext) -> Any: ...
 
-    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array) -> Any: ...
+    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array | None) -> Any: ...
 
     def propose(self, params, state, ctx: DraftContext, gamma: int) -> tuple[Proposal, Any]: ...
 
@@ -165,7 +165,7 @@ class DrafterBase:
     def check(self, target: TargetModel, mesh) -> None:
         """Nothing to check."""
 
-    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array):
+    def resume(self, params, state, ctx: DraftContext, drafting: jax.Array | None):
         """The state is unchanged (it never falls behind)."""
         return state
 

@@ -187,7 +187,7 @@ class DFlashDrafter(DrafterBase):
         cache = self.config.layer.init_cache(batch, prefill.capacity)
         return DFlashState(write_context(self.config, params, cache, prefill.features, positions))
 
-    def resume(self, params, state: DFlashState, ctx: DraftContext, drafting: jax.Array) -> DFlashState:
+    def resume(self, params, state: DFlashState, ctx: DraftContext, drafting: jax.Array | None) -> DFlashState:
         """Every round, drafting or not: the context of the tokens the last verify pass committed (slots
         n-1-e .. n-2), written before the engine's per-size switch, inside which `propose` only reads it."""
         n = ctx.num_tokens

@@ -270,10 +270,12 @@ class EagleDrafter(DrafterBase):
         first_round = jnp.maximum(prefill.prompt_lens - 2, 0)  # the first round's block starts at slot n - 2
         return EagleState(cache=cache.with_lengths(first_round), features=features)
 
-    def resume(self, params, state: EagleState, ctx: DraftContext, drafting: jax.Array) -> EagleState:
+    def resume(self, params, state: EagleState, ctx: DraftContext, drafting: jax.Array | None) -> EagleState:
         """The last verify pass's features into the ring; then, before a round that drafts (or when a row would
         otherwise fall out of the ring's reach), passes of ``catch_up`` slots up to the round's block
         (module docstring)."""
+        if drafting is None:  # a fixed gamma: every round drafts, the head never falls behind
+            return state
         n, emitted, width = ctx.num_tokens, ctx.last_emit, ctx.features.shape[1]
         if self.max_lag < 2 * width:
             raise ValueError(f"max_lag {self.max_lag} must be at least twice the widest verify pass ({width})")

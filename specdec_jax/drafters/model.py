@@ -109,11 +109,13 @@ class ModelDrafter(DrafterBase):
         """Tokens a drafting round feeds up to its t0: `WINDOW`, or a tree's re-encoded block (depth + 1)."""
         return WINDOW if self.tree is None else self.tree.depth + 1
 
-    def resume(self, params, cache: KVCache, ctx: DraftContext, drafting: jax.Array) -> KVCache:
+    def resume(self, params, cache: KVCache, ctx: DraftContext, drafting: jax.Array | None) -> KVCache:
         """Before a round that drafts (``drafting`` bool[]): passes of ``catch_up`` tokens from each row's first
         missing slot while the window of some row that may still draft (room > 0; a finished row is never caught
         up) would not reach its t0 (module docstring). Each pass writes every row's next ``catch_up`` committed
         tokens (a row already in reach rewrites its own, harmlessly)."""
+        if drafting is None:  # a fixed gamma: every round drafts, the cache never falls behind
+            return cache
         n = ctx.num_tokens - 1  # slot of t0
 
         def behind(cache):

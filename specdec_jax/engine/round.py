@@ -113,7 +113,7 @@ def draft_step(spec: EngineSpec, params: EngineParams, state: DecodeState) -> De
         weight = shape.row_weights(policy, state.acceptance, live, room, found)
         draft_choice = shape.choose_draft(policy, state.acceptance, weight, room)
     fixed = policy is None or policy.free_drafts  # a fixed gamma, or a free drafter: always G drafts
-    drafting = jnp.asarray(True) if fixed else draft_choice > 0
+    drafting = None if fixed else draft_choice > 0  # None: every round drafts, nothing falls behind
     drafter_state = spec.drafter.resume(params.drafter, state.drafter_state, ctx, drafting)
     if fixed:
         proposal, update = spec.drafter.propose(params.drafter, drafter_state, ctx, spec.gamma)
