@@ -27,6 +27,7 @@ from specdec_jax.drafters import EagleConfig, MedusaConfig, ModelDrafter, NgramD
 from specdec_jax.drafters.base import DrafterBase, Proposal
 from specdec_jax.drafters.eagle import init_eagle
 from specdec_jax.drafters.heads import save_head
+from specdec_jax.engine import ShapePolicy
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import LlamaConfig, forward
 from specdec_jax.sampling import SamplingParams
@@ -345,6 +346,24 @@ def truncated_reference(max_new: int) -> tuple[list[list[int]], list[str]]:
     out = [t[:max_new] for t in ref.tokens]
     why = [r if len(t) <= max_new else "length" for t, r in zip(ref.tokens, ref.stop_reasons)]
     return out, why
+
+
+def forced_rounds(drafter, schedule: Sequence[int], gammas: Sequence[int], max_new: int = MAX_NEW):
+    """RAGGED with ``drafter`` under a shape policy over ``gammas``, one round per entry of ``schedule`` (a draft
+    and verify shape index, `DecodeState.forced_shape`) until every row is done; returns (the run,
+    [(choice, state before, after drafting, after the round) per round], states on the host)."""
+    policy = ShapePolicy(tuple(gammas), (1.0,) * len(gammas), (0.0,) + (1.0,) * (len(gammas) - 1))
+    run = engine.prepare(target(), RAGGED, drafter, policy=policy, max_new_tokens=max_new, eos_id=eos_id())
+    hand = HandRun(run.spec, run.params, run.state, run.num_rows)
+    rounds = []
+    for choice in schedule:
+        if bool(np.all(np.asarray(hand.state.done))):
+            break
+        before = host(hand.state)
+        hand.state = hand.state.replace(forced_shape=jnp.array([choice, choice], jnp.int32))
+        drafted = hand.round()
+        rounds.append((choice, before, host(drafted), host(hand.state)))
+    return hand, rounds
 
 
 def host(state: engine.DecodeState) -> engine.DecodeState:

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 import engine_helpers as H
-from specdec_jax import engine
 from specdec_jax.drafters.model import WINDOW
-from specdec_jax.engine import ShapePolicy
 
 GAMMAS = (0, 1, 2, 3, 4)
 CATCH_UP = 8
@@ -34,19 +31,7 @@ def drafter():
 
 def forced_run(max_new: int = H.MAX_NEW) -> tuple[H.HandRun, list]:
     """The ragged batch under SCHEDULE; (the run, [(choice, state before, drafted, after) per round])."""
-    policy = ShapePolicy(GAMMAS, (1.0,) * 5, (0.0,) + (1.0,) * 4)
-    run = engine.prepare(H.target(), H.RAGGED, drafter(), policy=policy, max_new_tokens=max_new,
-                         eos_id=H.eos_id())
-    hand = H.HandRun(run.spec, run.params, run.state, run.num_rows)
-    rounds = []
-    for choice in SCHEDULE:
-        if bool(np.all(np.asarray(hand.state.done))):
-            break
-        before = H.host(hand.state)
-        hand.state = hand.state.replace(forced_shape=jnp.array([choice, choice], jnp.int32))
-        drafted = hand.round()
-        rounds.append((choice, before, H.host(drafted), H.host(hand.state)))
-    return hand, rounds
+    return H.forced_rounds(drafter(), SCHEDULE, GAMMAS, max_new)
 
 
 def test_skipped_rounds_leave_outputs_and_greedy_drafts_as_without_skipping():

@@ -36,19 +36,8 @@ def drafter(max_lag: int = MAX_LAG) -> EagleDrafter:
 
 def forced_run() -> tuple[H.HandRun, list]:
     """The ragged batch under SCHEDULE; (the run, [(choice, state before, after) per round])."""
-    policy = ShapePolicy(GAMMAS, (1.0,) * 5, (0.0,) + (1.0,) * 4)
-    run = engine.prepare(H.target(), H.RAGGED, drafter(), policy=policy, max_new_tokens=H.MAX_NEW,
-                         eos_id=H.eos_id())
-    hand = H.HandRun(run.spec, run.params, run.state, run.num_rows)
-    rounds = []
-    for choice in SCHEDULE:
-        if bool(np.all(np.asarray(hand.state.done))):
-            break
-        before = H.host(hand.state)
-        hand.state = hand.state.replace(forced_shape=jnp.array([choice, choice], jnp.int32))
-        hand.round()
-        rounds.append((choice, before, H.host(hand.state)))
-    return hand, rounds
+    hand, rounds = H.forced_rounds(drafter(), SCHEDULE, GAMMAS)
+    return hand, [(choice, before, after) for choice, before, _, after in rounds]
 
 
 def fresh_head_cache(draft: EagleDrafter, state: engine.DecodeState, capacity: int) -> tuple[np.ndarray, np.ndarray]:
