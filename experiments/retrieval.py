@@ -168,7 +168,8 @@ def outputs_table(summary: dict) -> str:
 
 def _alone(cfg: RunConfig, per_category: int) -> dict:
     """`tokens_only` of the datastore alone: the retrieval drafter without its prompt lookup."""
-    return tokens_only(cfg, per_category, drafter=dataclasses.replace(build_drafter(cfg, load_model(cfg.model)), lookup=None))
+    drafter = dataclasses.replace(build_drafter(cfg, load_model(cfg.model)), lookup=None)
+    return tokens_only(cfg, per_category, drafter=drafter)
 
 
 def runs_of(summary: dict) -> dict:

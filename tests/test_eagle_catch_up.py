@@ -96,5 +96,5 @@ def test_the_head_cache_below_its_length_is_a_fresh_prefill_after_every_round(ru
 
 def test_a_ring_shorter_than_two_verify_passes_is_refused():
     policy = ShapePolicy(GAMMAS, (1.0,) * 5, (0.0,) + (1.0,) * 4)
-    with pytest.raises(ValueError, match="max_lag 9 must be at least twice"):
+    with pytest.raises(ValueError, match="max_lag 9 must be at least 10"):
         engine.generate(H.target(), [[1, 2, 3]], drafter(max_lag=9), policy=policy, max_new_tokens=4)

@@ -9,8 +9,8 @@ at position j) and ``v_proj_l(c_j)``: the context is never run through the layer
 A round with ``n`` committed tokens (t0 at index n - 1, without target features yet) and ``e`` tokens
 emitted by the last round first writes the context of the tokens the last verify pass committed
 (`DraftContext.features`, slots n-1-e .. n-2; in `resume`, every round, outside the engine's per-size
-switch, inside which a written cache would be copied), then, if it drafts, runs the block ``[t0, mask, ..., mask]`` (B tokens,
-the drafter's trained block size, at positions n-1 .. n+B-2) embedded with the target's embedding (times
+switch, inside which a written cache would be copied), then, if it drafts, runs the block
+``[t0, mask, ..., mask]`` (B tokens, the drafter's trained block size, at positions n-1 .. n+B-2) embedded with the target's embedding (times
 ``embedding_scale``) through the draft layers (Qwen3 layers: q/k norms, SwiGLU). A block query sees
 the context slots < n - 1 and every block token (bidirectional); block keys past what the row's budget
 leaves (``room + 2``) are hidden, as the reference cuts its last blocks. The final norm's output at

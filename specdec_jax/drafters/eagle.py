@@ -38,7 +38,7 @@ drafts again first catches up in `resume`: passes of ``catch_up`` slots from
 the first slot the head lacks (the cache's ``lengths``) up to the round's
 block, from the ring's features. The ring bounds the lag: a row that would
 fall more than ``max_lag`` tokens behind before its next round catches up in
-this one, drafting or not (so ``max_lag`` must be at least twice G + 1). In
+this one, drafting or not (so ``max_lag`` must be at least twice G + 1; G + 1 at a fixed gamma). In
 the first round (e = 0) the block re-encodes slot n - 2 from the prompt's
 feature, which `init` leaves in the ring. A row whose sequence is a single
 token has no feature yet and proposes nothing.
@@ -192,9 +192,10 @@ class EagleState:
 class HeadFunctions(NamedTuple):
     """The pieces of a head that EAGLE's rounds (`EagleDrafter`) call, each taking the head's config
     and weights first: ``project(cfg, params, features f32[..., k, Ht]) -> f32[..., H]``; ``head_pass(cfg,
-    params, target, target_params, tokens, inputs, cache, positions, block_mask, defer_writes, visible, pending) ->
-    (h, cache or, deferred, the pass's KVBlock)`` (`head_pass`'s arguments); ``logits(cfg, params, target, target_params, h) -> (logits f32[..., Vo], fed
-    f32[..., H])``: the next token's logits and what the next draft step is fed."""
+    params, target, target_params, tokens, inputs, cache, positions, block_mask, defer_writes, visible,
+    pending) -> (h, cache or, deferred, the pass's KVBlock)`` (`head_pass`'s arguments); ``logits(cfg, params,
+    target, target_params, h) -> (logits f32[..., Vo], fed f32[..., H])``: the next token's logits and what the
+    next draft step is fed."""
 
     project: Callable
     head_pass: Callable
@@ -271,15 +272,17 @@ class EagleDrafter(DrafterBase):
         return EagleState(cache=cache.with_lengths(first_round), features=features)
 
     def resume(self, params, state: EagleState, ctx: DraftContext, drafting: jax.Array | None) -> EagleState:
-        """The last verify pass's features into the ring; then, before a round that drafts (or when a row would
-        otherwise fall out of the ring's reach), passes of ``catch_up`` slots up to the round's block
-        (module docstring)."""
-        if drafting is None:  # a fixed gamma: every round drafts, the head never falls behind
-            return state
+        """The last verify pass's features into the ring (every round: the round's block reads them there);
+        then, before a round that drafts (or when a row would otherwise fall out of the ring's reach), passes of
+        ``catch_up`` slots up to the round's block (module docstring)."""
         n, emitted, width = ctx.num_tokens, ctx.last_emit, ctx.features.shape[1]
-        if self.max_lag < 2 * width:
-            raise ValueError(f"max_lag {self.max_lag} must be at least twice the widest verify pass ({width})")
+        need = width if drafting is None else 2 * width  # a lag bound of one verify pass, or of two under a policy
+        if self.max_lag < need:
+            raise ValueError(f"max_lag {self.max_lag} must be at least {need}: the widest verify pass ({width}), "
+                             "twice that under a shape policy")
         features = self._remember(state.features, self._project(params, ctx.features), n - 1 - emitted, emitted)
+        if drafting is None:  # a fixed gamma: every round drafts, the head never falls behind
+            return state.replace(features=features)
         block = _block_start(n, emitted)
 
         def behind(cache):
@@ -307,16 +310,12 @@ class EagleDrafter(DrafterBase):
     def _reencode(self, params, state: EagleState, ctx: DraftContext) -> tuple[jax.Array, KVBlock]:
         """The round's block pass (module docstring, step 1), reading the cache (``lengths`` = the block's first
         slot): ``(h f32[B,H] at slot n - 2, the block's keys/values, G + 1 slots from its first)``."""
-        n, emitted = ctx.num_tokens, ctx.last_emit
-        block = jnp.maximum(emitted, 1)  # slots re-encoded: n-1-block .. n-2
-        start = state.cache.lengths
-        column = jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: what one verify pass can commit
-        tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(start[:, None] + 1 + column, ctx.tokens.shape[1] - 1),
-                                     axis=1)
-        fresh = emitted[:, None, None] >= 1
-        kept = jnp.take_along_axis(state.features, (jnp.maximum(n - 2, 0) % self.max_lag)[:, None, None], axis=1)
-        inputs = jnp.where(fresh, self._project(params, ctx.features), kept)  # kept: token n - 2's, for e = 0
-        h, written = self._pass(params, ctx, tokens, inputs, state.cache, start[:, None] + column, defer_writes=True)
+        block = jnp.maximum(ctx.last_emit, 1)  # slots re-encoded: n-1-block .. n-2
+        slots = state.cache.lengths[:, None] + jnp.arange(ctx.features.shape[1])[None, :]  # G + 1: one verify pass
+        tokens = jnp.take_along_axis(ctx.tokens, jnp.minimum(slots + 1, ctx.tokens.shape[1] - 1), axis=1)
+        # the ring holds the features of slots n-1-e .. n-2 (`resume`), or for e = 0 the prompt's at n - 2 (`init`)
+        inputs = jnp.take_along_axis(state.features, (slots % self.max_lag)[:, :, None], axis=1)
+        h, written = self._pass(params, ctx, tokens, inputs, state.cache, slots, defer_writes=True)
         newest = lambda a: jnp.take_along_axis(a, (block - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
         return newest(h), written
 
@@ -328,7 +327,7 @@ class EagleDrafter(DrafterBase):
         if gamma == 0:  # the head falls behind (module docstring): nothing written
             nowhere = jnp.full_like(start, state.cache.capacity)
             return (empty_proposal(n.shape[0], tree=self.tree is not None),
-                    CacheWrite(self._empty_block(n.shape[0]), nowhere, state.cache.lengths))
+                    CacheWrite(self._layer().empty_block(n.shape[0], 1), nowhere, state.cache.lengths))
         draft = self._tree if self.tree is not None else self._chain
         proposal, block = ordered_read(lambda c: draft(params, state.replace(cache=c), ctx, gamma),
                                        state.cache.with_lengths(start))
@@ -346,7 +345,7 @@ class EagleDrafter(DrafterBase):
         h_last, written = self._reencode(params, state, ctx)  # h_last predicts token n - 1's feature
         first, fed = self._logits(params, ctx, h_last)
         width = ctx.features.shape[1] + gamma - 1  # the block's G + 1 columns, then the drafts fed after it
-        pending = self._empty_block(n.shape[0], width).insert(written, jnp.zeros_like(start))
+        pending = self._layer().empty_block(n.shape[0], width).insert(written, jnp.zeros_like(start))
 
         def feed(carry, token, step):  # draft step + 1 (sequence index n + step) at slot n - 1 + step
             pending, fed = carry
@@ -378,8 +377,3 @@ class EagleDrafter(DrafterBase):
         vocab_map = params.get("vocab_map")
         return grow_dynamic_tree(self.tree, nodes, first, fed, expand, vocab_map, ctx.grammar,
                                  drafter_sampling(ctx, vocab_map, self._layer().vocab_size)), written
-
-    def _empty_block(self, batch: int, steps: int = 1) -> KVBlock:
-        """An empty block of ``steps`` tokens in the head's cache layout."""
-        layer = self._layer()
-        return KVBlock.zeros(layer.num_layers, batch, steps, layer.num_kv_heads, layer.head_dim, jnp.dtype(layer.dtype))

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from specdec_jax.drafters.base import check_tree_topk
 from specdec_jax.drafters.eagle import EagleDrafter, HeadFunctions
 from specdec_jax.kv_cache import KVBlock, KVCache
+from specdec_jax.models.layers import with_pending
 from specdec_jax.models.llama import (LlamaConfig, attention, layer_params, linear, param_shapes, rms_norm,
                                       run_layers, visibility)
 from specdec_jax.models.rope import apply_rope, rope_tables
@@ -138,13 +139,8 @@ def _first_layer(cfg: Eagle3Config, params, embeds: jax.Array, x: jax.Array, cac
         committed = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]
         own = jnp.broadcast_to(jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask,
                                (batch, steps, steps))
-        block_k, block_v = k, v
-        if pending is not None:  # earlier passes' keys/values first, as `models.llama.run_layers` orders them
-            block_k = jnp.concatenate([pending[0].k[0], k.astype(pending[0].k[0].dtype)], axis=1)
-            block_v = jnp.concatenate([pending[0].v[0], v.astype(pending[0].v[0].dtype)], axis=1)
-            own = jnp.concatenate([pending[1], own], axis=2)
         attn = attention(q, cache.k[0], cache.v[0], jnp.broadcast_to(committed, (batch, steps, cache.capacity)),
-                         (block_k, block_v, own))
+                         with_pending(k, v, own, pending, 0))
         cache = KVBlock((k,), (v,))
     else:
         cache = cache.write(0, k, v)

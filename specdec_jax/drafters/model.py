@@ -136,8 +136,8 @@ class ModelDrafter(DrafterBase):
         start = _first_missing(cache, n)
         if gamma == 0:  # the cache falls behind (module docstring), its drafts past the first missing slot dropped
             nowhere = jnp.full_like(start, cache.capacity)  # past the last slot: the block is dropped
-            return empty_proposal(n.shape[0], tree=self.tree is not None), CacheWrite(self._block(n.shape[0], 1),
-                                                                                      nowhere, start)
+            nothing = CacheWrite(self.config.empty_block(n.shape[0], 1), nowhere, start)
+            return empty_proposal(n.shape[0], tree=self.tree is not None), nothing
         draft = self._grow if self.tree is not None else self._chain
         proposal, block = ordered_read(lambda c: draft(params, c, ctx, gamma), cache.with_lengths(start))
         fed = n + 1 if self.tree is not None else n + gamma  # t0 and the drafts fed (all but the last)
@@ -153,7 +153,7 @@ class ModelDrafter(DrafterBase):
         n, start = ctx.num_tokens - 1, cache.lengths
         normed, window = self._read(params, cache, ctx.tokens, WINDOW)
         width = WINDOW + gamma - 1  # the window's columns, then the drafts fed after t0 (n - start < WINDOW)
-        block = self._block(n.shape[0], width).insert(window, jnp.zeros_like(start))
+        block = self.config.empty_block(n.shape[0], width).insert(window, jnp.zeros_like(start))
         at_t0 = jnp.take_along_axis(normed, (n - start)[:, None, None], axis=1)  # f32[B,1,H]
         logits = lm_head(self.config, params, at_t0)[:, 0]  # f32[B,Vo]
 
@@ -196,11 +196,6 @@ class ModelDrafter(DrafterBase):
         _, normed, block = apply(self.config, params, window, cache, slots, hidden_layers=(FINAL_NORM,),
                                  compute_logits=False, defer_writes=True)
         return normed[0], block
-
-    def _block(self, batch: int, steps: int) -> KVBlock:
-        """An empty block of ``steps`` tokens in this draft's cache layout."""
-        cfg = self.config
-        return KVBlock.zeros(cfg.num_layers, batch, steps, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
 
 
 def _first_missing(cache: KVCache, n: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
 """The decoder's numerical pieces, shared by the Llama decoder (`models.llama`) and the heads that
 reuse its layers: :func:`linear` (``x @ w.T`` for ``[out, in]`` weights), :func:`rms_norm`,
-:func:`visibility` (which cache slots a block's queries see) and grouped-query :func:`attention`.
+:func:`visibility` (which cache slots a block's queries see), grouped-query :func:`attention` and
+:func:`with_pending` (a block's keys/values behind those of earlier passes not yet written).
 
 Numerics: products with weights run in the weights' dtype; RMSNorm statistics and the attention
 (scores, softmax and weighted sum, rounded once) are float32 (docs/models.md "Weight dtype").
@@ -12,6 +13,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from specdec_jax.kv_cache import KVBlock
 
 
 def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -97,3 +100,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     out = (jnp.einsum("bkgst,bkdt->bskgd", probs[..., :width], v, preferred_element_type=f32)
            + jnp.einsum("bkgsj,bjkd->bskgd", probs[..., width:], v_block, preferred_element_type=f32))
     return out.reshape(batch, steps, num_heads, head_dim).astype(q.dtype)
+
+
+def with_pending(k: jax.Array, v: jax.Array, own: jax.Array, pending: tuple[KVBlock, jax.Array] | None,
+                 layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``block`` argument of :func:`attention` for a pass's own keys/values ``k, v [B,S,K,D]`` and their
+    visibility ``own bool[B,S,S]``, with ``pending = (block, seen bool[B,S,P])`` (earlier passes' keys/values
+    not yet in the cache, `models.llama.apply`) put first: ``(k [B,P+S,K,D], v, visible [B,S,P+S])``."""
+    if pending is None:
+        return k, v, own
+    block, seen = pending
+    cast = lambda x, like: x.astype(like.dtype)  # noqa: E731
+    return (jnp.concatenate([block.k[layer], cast(k, block.k[layer])], axis=1),
+            jnp.concatenate([block.v[layer], cast(v, block.v[layer])], axis=1),
+            jnp.concatenate([seen, own], axis=2))

@@ -75,7 +75,7 @@ import numpy as np
 from flax import nnx
 
 from specdec_jax.kv_cache import KVBlock, KVCache
-from specdec_jax.models.layers import attention, linear, rms_norm, visibility
+from specdec_jax.models.layers import attention, linear, rms_norm, visibility, with_pending
 from specdec_jax.models.rope import RopeScaling, apply_rope, rope_tables
 from specdec_jax.sharding import check_model_axis
 from specdec_jax.target import FINAL_NORM, chain_positions
@@ -147,6 +147,10 @@ class LlamaConfig:
         """An empty :class:`KVCache` shaped for this model, in its dtype."""
         return KVCache.init(self.num_layers, batch, capacity, self.num_kv_heads, self.head_dim,
                             jnp.dtype(self.dtype))
+
+    def empty_block(self, batch: int, steps: int) -> KVBlock:
+        """An empty `KVBlock` of ``steps`` tokens in this model's cache layout (a drafter's pending writes)."""
+        return KVBlock.zeros(self.num_layers, batch, steps, self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype))
 
 
 def layer_params(cfg: LlamaConfig) -> tuple[str, ...]:
@@ -281,31 +285,16 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
                                    (batch, steps, cache.capacity))
         own = jnp.tril(jnp.ones((steps, steps), bool))[None] if block_mask is None else block_mask
         own = jnp.broadcast_to(own, (batch, steps, steps))
-        if pending is not None:  # the block's tokens see the pending ones first, in the softmax's key order
-            own = jnp.concatenate([pending[1], own], axis=2)
         new_k, new_v = [], []
     elif visible is None:
         visible = visibility(cache.lengths, steps, cache.capacity, block_mask)
 
-    def heads(y: jax.Array, num: int) -> jax.Array:  # [B,S,num*D] -> [B,S,num,D]
-        return y.reshape(batch, steps, num, cfg.head_dim)
-
     after_layer = {}
     for index in range(cfg.num_layers):
         w = {name: params[name][index] for name in layer_params(cfg)}
-        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = _attention_inputs(cfg, w, rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), cos, sin)
         if defer_writes:
-            block_k, block_v = (k, v) if pending is None else (
-                jnp.concatenate([pending[0].k[index], k.astype(pending[0].k[index].dtype)], axis=1),
-                jnp.concatenate([pending[0].v[index], v.astype(pending[0].v[index].dtype)], axis=1))
-            attn = attention(q, cache.k[index], cache.v[index], visible, (block_k, block_v, own))
+            attn = attention(q, cache.k[index], cache.v[index], visible, with_pending(k, v, own, pending, index))
             new_k.append(k)
             new_v.append(v)
         else:
@@ -318,6 +307,20 @@ def run_layers(cfg: LlamaConfig, params: Mapping[str, jax.Array], x: jax.Array, 
     if defer_writes:
         return x, after_layer, KVBlock(tuple(new_k), tuple(new_v))
     return x, after_layer, cache
+
+
+def _attention_inputs(cfg: LlamaConfig, w: Mapping[str, jax.Array], h: jax.Array, cos: jax.Array,
+                      sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's ``(q [B,S,N,D], k [B,S,K,D], v [B,S,K,D])`` from its normed input ``h [B,S,H]`` and its weights
+    ``w``: projections (and biases), q/k norms when the family has them, RoPE on q and k."""
+    batch, steps = h.shape[:2]
+    q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q, k, v = (y.reshape(batch, steps, -1, cfg.head_dim) for y in (q, k, v))
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def split_layers(cfg: LlamaConfig, params: Mapping) -> dict:
