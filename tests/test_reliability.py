@@ -37,27 +37,53 @@ def one_error_line(capsys) -> str:
 # ------------------------------------------------------------------------------------------ interrupts
 
 
+LOOP_COMPILED = "Finished XLA compilation of jit(run_loop)"  # a JAX_LOG_COMPILES line: decoding starts next
+
+
+def _read_stderr(child):
+    """A thread that keeps ``child``'s stderr lines; its event is set once the child (run with
+    JAX_LOG_COMPILES) has compiled its decoding loop, so a signal after it lands while decoding."""
+    import threading
+
+    lines, compiled = [], threading.Event()
+
+    def read():
+        for line in child.stderr:
+            lines.append(line)
+            if LOOP_COMPILED in line:
+                compiled.set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, lines, compiled
+
+
 def test_sigint_and_sigterm_stop_a_long_generation_with_one_line(tmp_path):
-    """A real SIGINT (SIGTERM) to a child decoding a long plain run, 20 s in: it stops within seconds,
-    prints one line (no traceback) and exits 130 (143), having written no report."""
+    """A real SIGINT (SIGTERM) to a child decoding a long plain run (20,000 rounds take minutes), sent
+    once its loop is compiled: it stops within seconds, prints one line (no traceback) and exits 130
+    (143), having written no report."""
     children = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
-        children[sig] = subprocess.Popen(
+        child = subprocess.Popen(
             [sys.executable, "-m", "specdec_jax.cli", "generate", "--model", "tiny-random", "--raw", "--ignore-eos",
              "--drafter", "none", "--max-new-tokens", "20000", "--prompt", "ab", "--json", str(tmp_path / f"{sig}.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(20)  # started, compiled (seconds), decoding (20,000 rounds take minutes)
-    for sig, child in children.items():
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_LOG_COMPILES": "1"})
+        children[sig] = (child, *_read_stderr(child))
+    for sig, (child, _, _, compiled) in children.items():
+        assert compiled.wait(180), f"the decoding loop was never compiled ({child.poll()})"
+        time.sleep(1)  # decoding
         assert child.poll() is None, f"the run ended before {sig.name}"
         child.send_signal(sig)
-    sent = time.monotonic()
-    for sig, child in children.items():
-        _, err = child.communicate(timeout=60)
+        sent = time.monotonic()
+        child.wait(timeout=60)
         waited = time.monotonic() - sent
-        lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "decoding" not in line]
-        assert child.returncode == 128 + sig and waited < 10, (child.returncode, waited, lines)
-        assert lines == [f"specdec-jax: generate stopped by {sig.name}; kept: nothing (the report is written when "
-                         "every prompt is done)"]
+        reader, lines, _ = children[sig][1:]
+        reader.join(timeout=10)
+        err = "".join(lines)
+        ours = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.startswith("specdec-jax:")]
+        assert child.returncode == 128 + sig and waited < 10 and "Traceback" not in err, (child.returncode, waited, ours)
+        assert ours == [f"specdec-jax: generate stopped by {sig.name}; kept: nothing (the report is written when "
+                        "every prompt is done)"]
         assert not (tmp_path / f"{sig}.json").exists()
 
 
