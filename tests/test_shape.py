@@ -30,6 +30,11 @@ def policy(draft=(0.0, 0.0, 0.0, 0.0), verify=CPU_COSTS, **estimator) -> ShapePo
     return ShapePolicy(GAMMAS, verify, draft, **estimator)
 
 
+# The oracle's costs: one draft pays from a > 0.4; a prior of 0.7 (not the default 0.5) opens with the widest
+# chain. One compiled program serves every oracle alpha under them (the policy is part of the program).
+ORACLE_COSTS = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8), prior=0.7)
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
 def test_expected_tokens_match_the_closed_form(alpha):
     acceptance = jnp.full((2, 4), alpha)
@@ -124,7 +129,7 @@ def test_bad_policies_and_arguments_are_clear_errors():
 @pytest.mark.parametrize("name", ["ngram", "model", "oracle-0.5"])
 def test_auto_is_lossless(name):
     drafter = {"ngram": H.ngram, "model": H.model_drafter, "oracle-0.5": lambda: H.oracle(0.5)}[name]()
-    costs = policy() if name == "ngram" else policy((0.05, 0.1, 0.2, 0.4))
+    costs = {"ngram": policy(), "model": policy((0.05, 0.1, 0.2, 0.4)), "oracle-0.5": ORACLE_COSTS}[name]
     out = engine.generate(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
     assert out.tokens == H.reference_no_eos().tokens
     assert sum(out.metrics.width_rounds) == out.loop_rounds
@@ -136,8 +141,8 @@ def test_penalised_greedy_auto_equals_plain_decoding():
     argmaxes, so it is accepted through every width the policy runs."""
     sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2)
     ref = engine.generate(H.target(), H.RAGGED, max_new_tokens=H.MAX_NEW, sampling=sampling)
-    out = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=policy((0.0, 0.1, 0.2, 0.4)),
-                          max_new_tokens=H.MAX_NEW, sampling=sampling)
+    out = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW,
+                          sampling=sampling)
     assert out.tokens == ref.tokens
     assert out.tokens != H.reference_no_eos().tokens  # the penalties change the output
     assert out.metrics.mean_accepted_length > 3.0, out.metrics
@@ -163,11 +168,9 @@ def test_a_default_prior_below_the_break_even_is_raised_to_probe():
 
 
 def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
-    # one draft pays from a > 0.4; a prior of 0.7 (not the default 0.5) opens with the widest chain
-    costs = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8), prior=0.7)
-    bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=costs, max_new_tokens=H.MAX_NEW)
+    bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW)
     assert bad.metrics.width_rounds[0] >= 0.75 * bad.loop_rounds, bad.metrics  # plain steps, a few probes
-    good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=costs, max_new_tokens=H.MAX_NEW)
+    good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW)
     assert good.metrics.width_rounds[-1] >= 0.4 * good.loop_rounds, good.metrics  # the widest chain, soon
     assert good.metrics.mean_accepted_length > 3.5
     for out in (bad, good):

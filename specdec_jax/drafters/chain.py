@@ -45,13 +45,13 @@ def drafter_sampling(ctx: DraftContext, vocab_map: jax.Array | None, vocab_size:
 
 def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
                vocab_size: int, vocab_map: jax.Array | None = None,
-               corrupt_alpha: float | None = None) -> tuple[Proposal, Any]:
+               corrupt_alpha: jax.Array | None = None) -> tuple[Proposal, Any]:
     """``(Proposal with gamma drafts per row, carry)``; gamma 0: no drafts and ``carry`` unchanged.
 
     first_logits: f32[B,Vo] the drafter's logits of draft 1; next_logits feeds each drawn
       draft (a `lax.scan` of gamma - 1 steps) and returns the logits of the next one.
     vocab_map: i32[Vo] target id of each logit (a reduced output vocabulary); None: Vo = V.
-    corrupt_alpha: the oracle's corruption (drafts kept with probability alpha, q a point mass).
+    corrupt_alpha: the oracle's corruption, f32[] (drafts kept with probability alpha, q a point mass).
     """
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
         return empty_proposal(first_logits.shape[0]), carry
@@ -107,7 +107,7 @@ def _draw(keys, law, sampling: RowSampling):
     return jnp.where(sampling.temperature == 0, first_argmax(law), sample(keys, law)).astype(jnp.int32)
 
 
-def _corrupt(keys, token, alpha: float, vocab: int):
+def _corrupt(keys, token, alpha: jax.Array, vocab: int):
     """Keep each token with probability alpha, else replace it by a uniformly wrong one."""
     keep = jax.vmap(lambda k: jax.random.bernoulli(k, alpha))(for_purpose(keys, Purpose.CORRUPT_KEEP))
     offset = jax.vmap(lambda k: jax.random.randint(k, (), 1, vocab))(for_purpose(keys, Purpose.CORRUPT_TOKEN))

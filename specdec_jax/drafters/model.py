@@ -72,15 +72,16 @@ class ModelDrafter(DrafterBase):
     """Draft with a (smaller) Llama of the target's tokenizer.
 
     config: the draft model's architecture. params: its weights (not hashed).
-    corrupt_alpha: None for a real draft model (drafts drawn from its processed
-      law q); a float for the oracle (greedy proposals kept with probability
-      alpha, q a point mass).
+    oracle: False for a real draft model (drafts drawn from its processed law
+      q); True for the oracle (greedy proposals kept with probability
+      ``params["oracle_alpha"]``, an f32[] weight, so that every alpha runs one
+      compiled program; q a point mass).
     catch_up: the width of a catch-up pass (module docstring).
     """
 
     config: LlamaConfig
     params: Any = dataclasses.field(compare=False, repr=False)
-    corrupt_alpha: float | None = None
+    oracle: bool = False
     name: str = "draft-model"
     tree: TreeShape | None = None
     catch_up: int = CATCH_UP
@@ -89,7 +90,7 @@ class ModelDrafter(DrafterBase):
         check_dynamic_shape(self.tree)
         if self.catch_up < 1:
             raise ValueError(f"catch_up must be at least 1, got {self.catch_up}")
-        if self.tree is not None and self.corrupt_alpha is not None:
+        if self.tree is not None and self.oracle:
             raise ValueError("the oracle drafts chains only")
 
     def check(self, target, mesh) -> None:
@@ -165,7 +166,7 @@ class ModelDrafter(DrafterBase):
             return logits[:, 0], block.insert(new, column)
 
         return draw_chain(ctx, gamma, logits, feed, block, self.config.vocab_size, params.get("vocab_map"),
-                          self.corrupt_alpha)
+                          params["oracle_alpha"] if self.oracle else None)
 
     def _grow(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVBlock]:
         """Re-encode what the cache lacks up to t0 (from ``cache.lengths``), then grow the tree over it
@@ -208,4 +209,5 @@ def oracle_drafter(target_config: LlamaConfig, target_params, alpha: float) -> M
     """The oracle: the target's own greedy next tokens, each wrong with probability 1 - alpha."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"oracle alpha must be in [0, 1], got {alpha}")
-    return ModelDrafter(target_config, target_params, corrupt_alpha=float(alpha), name="oracle")
+    return ModelDrafter(target_config, {**target_params, "oracle_alpha": jnp.float32(alpha)}, oracle=True,
+                        name="oracle")
