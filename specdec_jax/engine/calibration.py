@@ -28,7 +28,6 @@ import functools
 import hashlib
 import json
 import math
-import statistics
 import time
 
 import jax
@@ -52,16 +51,18 @@ CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
 CALIBRATION_ROUNDS = 8  # rounds per timed call of `time_rounds` (fewer where the capacity has no room)
 
 
-def median_time_fed_back(step, carry, repeats: int = 7) -> float:
-    """Median seconds of ``carry = step(carry)`` after one warm-up call. ``step`` donates its carry
-    (the caches), which is fed back between calls, as the loop runs them: nothing is copied."""
+def least_time_fed_back(step, carry, repeats: int = 7) -> float:
+    """The least seconds of ``carry = step(carry)`` over ``repeats`` calls after one warm-up call (least:
+    a shared machine's memory bandwidth drops for seconds at a time, docs/shape_policy.md). ``step``
+    donates its carry (the caches), which is fed back between calls, as the loop runs them: nothing is
+    copied."""
     carry = jax.block_until_ready(step(carry))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         carry = jax.block_until_ready(step(carry))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def time_target_pass(run, width: int, repeats: int = 7) -> float:
@@ -85,7 +86,7 @@ def time_target_pass(run, width: int, repeats: int = 7) -> float:
 
     batch = run.state.cache.lengths.shape[0]
     carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))
-    return median_time_fed_back(lambda c: step(run.params.target, c), carry, repeats)
+    return least_time_fed_back(lambda c: step(run.params.target, c), carry, repeats)
 
 
 def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
@@ -99,7 +100,7 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
 def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
     """`time_draft_step` at each of ``gammas``, timed in turn (one call of each per repeat), so that a
     change in the machine's load reaches all of them alike (timed one after another they can be priced
-    out of order: docs/shape_policy.md)."""
+    out of order: docs/shape_policy.md); the least time of each."""
     steps = []
     for gamma in gammas:
         spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
@@ -116,11 +117,11 @@ def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
             start = time.perf_counter()
             entry[1] = jax.block_until_ready(entry[0](run.params, entry[1]))
             samples.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
-    """Median seconds of one whole round (`draft_step` then `verify_step`) of ``run``'s batch
+    """The least seconds (`least_time_fed_back`) of one whole round (`draft_step` then `verify_step`) of ``run``'s batch
     (prepared with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
     pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
     Each timed call runs ``rounds`` rounds in a loop, as the decoding loop runs them (a round
@@ -146,7 +147,7 @@ def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
             start = time.perf_counter()
             jax.block_until_ready(step(run.params, state))
             samples.append((time.perf_counter() - start) / rounds)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False,
@@ -269,7 +270,7 @@ def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
 # either makes every cached calibration stale.
 METHOD = ("rounds in a loop, drafting less an idle step, draft lengths timed in turn; forward pass r3 (layer "
           "matrices [out, in]); greedy rounds reduce logits inside the width branch; the run's capacity; a "
-          "drafter's cache written after the per-size switch")
+          "drafter's cache written after the per-size switch; least of the repeats")
 
 
 def calibration_key(target, drafter, batch: int, capacity: int, gammas) -> str:
