@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-prompts", type=int, default=3, help="coding questions timed beside transformers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=128, help="speed: longer prompts are left out")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (medians)")
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
                         help="variants: indices into VARIANTS (kept results of the others are kept)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="speed: the draft's output ids (0: all)")

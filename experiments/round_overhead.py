@@ -56,8 +56,9 @@ def loop_of_rounds(run, rounds: int):
         0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
 
 
-def time_programs(programs: dict, repeats: int, rounds: int) -> dict:
-    """Median seconds per round of each ``name -> (step, fresh_state)``, timed in turn."""
+def time_in_turn(programs: dict, repeats: int, rounds: int) -> dict:
+    """Seconds per round of each ``name -> (step, fresh_state)``, ``repeats`` samples each, timed in turn
+    (one call of each per repeat)."""
     for step, fresh in programs.values():  # compile and warm up
         jax.block_until_ready(step(fresh()))
     times = {name: [] for name in programs}
@@ -67,7 +68,7 @@ def time_programs(programs: dict, repeats: int, rounds: int) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(step(state))
             times[name].append((time.perf_counter() - start) / rounds)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def main(argv=None) -> int:
@@ -110,12 +111,13 @@ def main(argv=None) -> int:
             copy = lambda run, **kw: jax.tree.map(jnp.copy, run.state.replace(**kw))  # noqa: E731
             forced = lambda d, v: jnp.array([d, v], jnp.int32)  # noqa: E731
             plain_step, auto_step = loop_of_rounds(plain, args.rounds), loop_of_rounds(auto, args.rounds)
-            seconds = time_programs({
+            samples = time_in_turn({
                 "plain": (lambda s: plain_step(plain.params, s), lambda: copy(plain)),
                 "auto_none": (lambda s: auto_step(auto.params, s), lambda: copy(auto, forced_shape=forced(0, 0))),
                 "auto_widest": (lambda s: auto_step(auto.params, s),
                                 lambda: copy(auto, forced_shape=forced(widest, widest))),
             }, args.repeats, args.rounds)
+            seconds = {name: statistics.median(t) for name, t in samples.items()}
             record = {"batch": batch, "capacity": capacity, **{f"{k}_ms": 1e3 * v for k, v in seconds.items()},
                       "none_over_plain": seconds["auto_none"] / seconds["plain"],
                       "widest_over_plain": seconds["auto_widest"] / seconds["plain"]}
