@@ -43,17 +43,10 @@ from common import RESULTS, save
 
 from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import prepare
-from specdec_jax.engine.round import decode_round
 from specdec_jax.engine.shape import ShapePolicy
-from specdec_jax.engine.calibration import CALIBRATION_PROMPT, CALIBRATION_ROUNDS
+from specdec_jax.engine.calibration import CALIBRATION_PROMPT, CALIBRATION_ROUNDS, loop_of_rounds
 from specdec_jax.engine.shape import AUTO_GAMMAS
 from specdec_jax.models import load_model
-
-
-def loop_of_rounds(run, rounds: int):
-    """A jitted ``state -> state`` of ``rounds`` rounds of ``run``'s program, the state donated."""
-    return jax.jit(lambda params, state: jax.lax.fori_loop(
-        0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
 
 
 def time_in_turn(programs: dict, repeats: int, rounds: int) -> dict:

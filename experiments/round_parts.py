@@ -37,36 +37,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import RESULTS, pyplot, save
-from round_overhead import loop_of_rounds, time_in_turn
+from round_overhead import time_in_turn
 
 from specdec_jax.config import run_config
 from specdec_jax.engine import prepare
+from specdec_jax.engine.calibration import loop_of_rounds, target_pass_step
 from specdec_jax.engine.round import draft_step
-from specdec_jax.kv_cache import ordered_read
 from specdec_jax.models import load_model
 from specdec_jax.runner import build_drafter
-from specdec_jax.sampling import first_argmax
-from specdec_jax.target import chain_positions
 
 
 def target_passes(run, width: int, rounds: int):
-    """A jitted ``(target params, (cache, acc)) -> (cache, acc)``: ``rounds`` target passes of ``width``
-    tokens, each reading the cache in a conditional and writing its block one slot further on; ``acc``
-    i32[B] sums the first greedy token, so that no pass's logits are dead code."""
-    spec = run.spec
-
-    def one(params, carry):
-        cache, acc = carry
-
-        def read(cache):
-            tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
-            logits, _, block = spec.target.apply(params, tokens, cache, chain_positions(cache.lengths, width),
-                                                 None, spec.hidden_layers, defer_writes=True)
-            return first_argmax(logits), block
-
-        top, block = ordered_read(read, cache)
-        return cache.write_block(block).with_lengths(cache.lengths + 1), acc + top[:, 0]
-
+    """A jitted ``(target params, (cache, tokens)) -> (cache, tokens)``: ``rounds`` of the calibration's
+    target pass of ``width`` tokens (`engine.calibration.target_pass_step`), the carry donated."""
+    one = target_pass_step(run.spec, width)
     return jax.jit(lambda params, carry: jax.lax.fori_loop(0, rounds, lambda _, c: one(params, c), carry),
                    donate_argnums=1)
 
@@ -102,7 +86,7 @@ def main(argv=None) -> int:
     for width in sorted({1, *(g + 1 for g in args.gammas)}):
         passes = functools.partial(target_passes(plain, width, args.rounds), plain.params.target)
         programs[f"Tv{width}"] = (passes, lambda: (jax.tree.map(jnp.copy, plain.state.cache),
-                                                   jnp.zeros(len(prompts), jnp.int32)))
+                                                   jnp.zeros((len(prompts), width), jnp.int32)))
     for gamma in args.gammas:
         fixed = prepare(target, prompts, drafter, gamma=gamma, max_new_tokens=budget, capacity=args.capacity)
         programs[f"D{gamma}"] = (functools.partial(draft_steps(fixed, args.rounds), fixed.params),

@@ -69,7 +69,7 @@ def test_sigint_and_sigterm_stop_a_long_generation_with_one_line(tmp_path):
              "--drafter", "none", "--max-new-tokens", "20000", "--prompt", "ab", "--json", str(tmp_path / f"{sig}.json")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_LOG_COMPILES": "1"})
         children[sig] = (child, *_read_stderr(child))
-    for sig, (child, _, _, compiled) in children.items():
+    for sig, (child, reader, lines, compiled) in children.items():
         assert compiled.wait(180), f"the decoding loop was never compiled ({child.poll()})"
         time.sleep(1)  # decoding
         assert child.poll() is None, f"the run ended before {sig.name}"
@@ -77,11 +77,11 @@ def test_sigint_and_sigterm_stop_a_long_generation_with_one_line(tmp_path):
         sent = time.monotonic()
         child.wait(timeout=60)
         waited = time.monotonic() - sent
-        reader, lines, _ = children[sig][1:]
         reader.join(timeout=10)
         err = "".join(lines)
         ours = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.startswith("specdec-jax:")]
-        assert child.returncode == 128 + sig and waited < 10 and "Traceback" not in err, (child.returncode, waited, ours)
+        assert child.returncode == 128 + sig and waited < 10 and "Traceback" not in err, \
+            (child.returncode, waited, ours)
         assert ours == [f"specdec-jax: generate stopped by {sig.name}; kept: nothing (the report is written when "
                         "every prompt is done)"]
         assert not (tmp_path / f"{sig}.json").exists()

@@ -10,13 +10,14 @@ A round with ``n`` committed tokens (t0 at index n - 1, without target features 
 emitted by the last round first writes the context of the tokens the last verify pass committed
 (`DraftContext.features`, slots n-1-e .. n-2; in `resume`, every round, outside the engine's per-size
 switch, inside which a written cache would be copied), then, if it drafts, runs the block
-``[t0, mask, ..., mask]`` (B tokens, the drafter's trained block size, at positions n-1 .. n+B-2) embedded with the target's embedding (times
-``embedding_scale``) through the draft layers (Qwen3 layers: q/k norms, SwiGLU). A block query sees
-the context slots < n - 1 and every block token (bidirectional); block keys past what the row's budget
-leaves (``room + 2``) are hidden, as the reference cuts its last blocks. The final norm's output at
-block position i goes through the target's LM head (times ``logit_scale``, soft-capped when set) and
-gives the logits of draft i, i = 1 .. B - 1. `propose(gamma)` draws gamma drafts from the first gamma of
-them with `chain.draw_chain` (each position's processed law is q; greedy rows take the argmax): one pass
+``[t0, mask, ..., mask]`` (B tokens, the drafter's trained block size, at positions n-1 .. n+B-2)
+embedded with the target's embedding (times ``embedding_scale``) through the draft layers (Qwen3 layers:
+q/k norms, SwiGLU). A block query sees the context slots < n - 1 and every block token (bidirectional);
+block keys past what the row's budget leaves (``room + 2``) are hidden, as the reference cuts its last
+blocks. The final norm's output at block position i goes through the target's LM head (times
+``logit_scale``, soft-capped when set) and gives the logits of draft i, i = 1 .. B - 1.
+`propose(gamma)` draws gamma drafts from the first gamma of them with `chain.draw_chain` (each position's
+processed law is q; greedy rows take the argmax): one pass
 of the layers whatever gamma is, the LM head at gamma positions only; gamma is at most B - 1 (`max_drafts`: `--gamma auto` chooses among
 lengths up to it, `engine.shape.chain_gammas`). A block smaller than the trained one (`with_block`,
 `--dflash-block`) is the same pass over fewer masks. Chains only.

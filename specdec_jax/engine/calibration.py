@@ -65,14 +65,11 @@ def least_time_fed_back(step, carry, repeats: int = 7) -> float:
     return min(times)
 
 
-def time_target_pass(run, width: int, repeats: int = 7) -> float:
-    """Seconds of one target pass of ``width`` tokens per row of ``run`` (an `engine.Prepared`): a
-    verify pass at that width as the loop runs it (reading the cache, then writing its block),
-    with the hidden states the drafter reads, its cache donated and fed back, its logits reduced
-    on device to the argmax (the loop never returns logits either)."""
-    spec = run.spec
-
-    @functools.partial(jax.jit, donate_argnums=1)
+def target_pass_step(spec, width: int):
+    """``(target params, (cache, tokens i32[B,width])) -> (cache, tokens)``: one target pass of ``width``
+    tokens per row of ``spec``'s target as the loop runs it (reading the cache in a conditional, then
+    writing its block), with the hidden states the drafter reads, its logits reduced on device to the
+    greedy tokens it returns (the loop never returns logits either). Not jitted: a caller loops it."""
     def step(params, carry):
         def read(cache):
             tokens = jnp.ones((cache.lengths.shape[0], width), jnp.int32)
@@ -84,6 +81,13 @@ def time_target_pass(run, width: int, repeats: int = 7) -> float:
         top, block = ordered_read(read, cache)
         return cache.write_block(block), top
 
+    return step
+
+
+def time_target_pass(run, width: int, repeats: int = 7) -> float:
+    """Seconds of one target pass of ``width`` tokens per row of ``run`` (an `engine.Prepared`):
+    `target_pass_step`, its cache donated and fed back."""
+    step = jax.jit(target_pass_step(run.spec, width), donate_argnums=1)
     batch = run.state.cache.lengths.shape[0]
     carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))
     return least_time_fed_back(lambda c: step(run.params.target, c), carry, repeats)
@@ -120,9 +124,16 @@ def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
     return [min(t) for t in times]
 
 
+def loop_of_rounds(run, rounds: int):
+    """A jitted ``(params, state) -> state``: ``rounds`` rounds of ``run``'s program in a `fori_loop`, the
+    state donated, as the decoding loop runs them."""
+    return jax.jit(lambda params, state: jax.lax.fori_loop(
+        0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
+
+
 def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
-    """The least seconds (`least_time_fed_back`) of one whole round (`draft_step` then `verify_step`) of ``run``'s batch
-    (prepared with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
+    """The least seconds of one whole round (`draft_step` then `verify_step`) of ``run``'s batch (prepared
+    with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
     pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
     Each timed call runs ``rounds`` rounds in a loop, as the decoding loop runs them (a round
     called alone costs more, and not alike at every width: docs/shape_policy.md), and its time is
@@ -135,8 +146,7 @@ def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
     for d, v in shapes:
         if d not in options or not 0 <= v <= (d if not policy.tree else len(policy.gammas) - 1):
             raise ValueError(f"forced shape ({d}, {v}) is not a round the policy over {policy.gammas} can run")
-    step = jax.jit(lambda params, state: jax.lax.fori_loop(
-        0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
+    step = loop_of_rounds(run, rounds)
     fresh = lambda d, v: jax.block_until_ready(
         jax.tree.map(jnp.copy, run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))))
     jax.block_until_ready(step(run.params, fresh(0, 0)))  # compile and warm up
