@@ -48,11 +48,19 @@ from specdec_jax.runner import build_drafter
 
 
 def target_passes(run, width: int, rounds: int):
-    """A jitted ``(target params, (cache, tokens)) -> (cache, tokens)``: ``rounds`` of the calibration's
-    target pass of ``width`` tokens (`engine.calibration.target_pass_step`), the carry donated."""
+    """A jitted ``(target params, (cache, acc i32[])) -> (cache, acc)``: ``rounds`` of the calibration's target
+    pass of ``width`` tokens (`engine.calibration.target_pass_step`), the carry donated; ``acc`` sums the greedy
+    tokens, so that no pass's logits are dead code."""
     one = target_pass_step(run.spec, width)
-    return jax.jit(lambda params, carry: jax.lax.fori_loop(0, rounds, lambda _, c: one(params, c), carry),
-                   donate_argnums=1)
+
+    def passes(params, carry):
+        def body(_, carry):
+            cache, top = one(params, carry)
+            return cache, carry[1] + jnp.sum(top)
+
+        return jax.lax.fori_loop(0, rounds, body, carry)
+
+    return jax.jit(passes, donate_argnums=1)
 
 
 def draft_steps(run, rounds: int):
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     for width in sorted({1, *(g + 1 for g in args.gammas)}):
         passes = functools.partial(target_passes(plain, width, args.rounds), plain.params.target)
         programs[f"Tv{width}"] = (passes, lambda: (jax.tree.map(jnp.copy, plain.state.cache),
-                                                   jnp.zeros((len(prompts), width), jnp.int32)))
+                                                   jnp.zeros((), jnp.int32)))
     for gamma in args.gammas:
         fixed = prepare(target, prompts, drafter, gamma=gamma, max_new_tokens=budget, capacity=args.capacity)
         programs[f"D{gamma}"] = (functools.partial(draft_steps(fixed, args.rounds), fixed.params),
