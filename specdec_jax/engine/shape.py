@@ -127,7 +127,7 @@ class ShapePolicy:
     # `break_even` + PROBE_MARGIN where that is higher
     prior: float | None = None
     learn: float = 0.25  # weight of a new observation
-    relax: float = 0.03  # per-round pull of an unobserved position 1 toward the prior (docs/shape_policy.md)
+    relax: float = 0.2  # per-round pull of an unobserved position 1 toward the prior (docs/shape_policy.md)
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
     tree: bool = False  # gammas are token-tree node counts; acceptance is per node (module docstring)
     weigh_rows: bool = True  # weigh rows by rounds left (a static batch); False: alike (rows refilled as they end)
