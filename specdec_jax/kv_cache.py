@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -107,8 +108,9 @@ class KVCache:
         return self.k[0].shape[2]
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
-        """``(k, v)`` as ``[L,B,T,Hkv,D]`` arrays (a copy, for inspection and tests)."""
-        return jnp.stack(self.k).transpose(0, 1, 3, 2, 4), jnp.stack(self.v).transpose(0, 1, 4, 2, 3)
+        """``(k, v)`` as numpy ``[L,B,T,Hkv,D]`` arrays: a host copy, for inspection and tests (sliced on the
+        host, where a device slice would compile a program per shape)."""
+        return np.stack(self.k).transpose(0, 1, 3, 2, 4), np.stack(self.v).transpose(0, 1, 4, 2, 3)
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         """Same buffers, new committed lengths ``i32[B]`` (commit or rollback)."""

@@ -296,7 +296,7 @@ def teacher_logits(config: LlamaConfig, params, sequence: Sequence[int]) -> np.n
     padded = np.zeros((1, TEACHER_WIDTH), np.int32)
     padded[0, : len(sequence)] = sequence
     logits, _ = _forward(config, params, jnp.asarray(padded), config.init_cache(1, TEACHER_WIDTH))
-    return np.asarray(logits[0, : len(sequence)])
+    return np.asarray(logits)[0, : len(sequence)]
 
 
 # ----------------------------------------------------------------------------

@@ -225,8 +225,8 @@ def _row_snapshot(state, b):
     return dict(
         tokens=np.asarray(state.tokens[b]), num_tokens=n, stop=int(state.stop_reason[b]),
         counters=[int(c.rounds[b]), int(c.drafted[b]), int(c.accepted[b]), int(c.emitted[b])],
-        k=np.asarray(state.cache.stacked()[0][:, b, : n - 1]), v=np.asarray(state.cache.stacked()[1][:, b, : n - 1]),
-        dk=np.asarray(state.drafter_state.stacked()[0][:, b, : n - 2]),
+        k=state.cache.stacked()[0][:, b, : n - 1], v=state.cache.stacked()[1][:, b, : n - 1],
+        dk=state.drafter_state.stacked()[0][:, b, : n - 2],
     )
 
 

@@ -251,12 +251,13 @@ def test_the_reference_mask_is_the_tables_mask():
     """The law's reference masks (the `regex` module) equal the device tables' along every prefix."""
     tables = grammar.stack_grammars([toy_tables()], V)
     rows = grammar.RowGrammar(tables, tables.initial[1:], jnp.asarray([NEW]))
+    path_states = jax.jit(grammar.path_states)  # one compile per prefix length, not one per prefix
     for length in range(NEW):
         for prefix in itertools.product(range(V), repeat=length):
             if not all(reference_allowed(prefix[:i], NEW - i - 1)[t] for i, t in enumerate(prefix)):
                 continue  # a prefix the law never reaches
             expected = reference_allowed(prefix, NEW - length - 1)
-            states = grammar.path_states(tables, rows.states, jnp.asarray([prefix], jnp.int32))[:, -1]
+            states = path_states(tables, rows.states, jnp.asarray([prefix], jnp.int32))[:, -1]
             got = np.asarray(rows.mask(states, length))[0]
             assert got.tolist() == expected.tolist(), prefix
 

@@ -42,7 +42,7 @@ def run_both(draft, target_argmax, num_draft, eos_id=None, budget=None):
 
 
 def emitted(result, row=0):
-    return np.asarray(result.tokens[row, : int(result.n_emit[row])]).tolist()
+    return np.asarray(result.tokens)[row, : int(result.n_emit[row])].tolist()
 
 
 # (name, draft row, num_draft, eos_id, budget, expected emitted tokens, expected n_accepted)
