@@ -107,7 +107,7 @@ class KVCache:
         """T, the number of slots per row."""
         return self.k[0].shape[2]
 
-    def stacked(self) -> tuple[jax.Array, jax.Array]:
+    def stacked(self) -> tuple[np.ndarray, np.ndarray]:
         """``(k, v)`` as numpy ``[L,B,T,Hkv,D]`` arrays: a host copy, for inspection and tests (sliced on the
         host, where a device slice would compile a program per shape)."""
         return np.stack(self.k).transpose(0, 1, 3, 2, 4), np.stack(self.v).transpose(0, 1, 4, 2, 3)

@@ -277,10 +277,10 @@ def assert_caches_rebuilt(run: HandRun, state: engine.DecodeState, drafter=None)
     if drafter is not None:
         caches.append((state.drafter_state, drafter.config, drafter.params, 2))
     for cache, config, params, untrusted in caches:
-        expected = rebuild_cache(config, params, committed, capacity)
+        expected, stored = rebuild_cache(config, params, committed, capacity), cache.stacked()
         for b in range(run.num_rows):
             kept = max(int(state.num_tokens[b]) - untrusted, 0)
-            for got, want in zip(cache.stacked(), expected):
+            for got, want in zip(stored, expected):
                 np.testing.assert_allclose(got[:, b, :kept], want[:, b, :kept], rtol=1e-5, atol=1e-5)
     for b in range(run.num_rows):
         assert int(state.cache.lengths[b]) == int(state.num_tokens[b]) - 1

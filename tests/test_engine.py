@@ -222,11 +222,11 @@ def test_rollback_leaves_caches_equal_to_fresh_prefill():
 def _row_snapshot(state, b):
     n = int(state.num_tokens[b])
     c = state.counters
+    k, v = state.cache.stacked()
     return dict(
         tokens=np.asarray(state.tokens[b]), num_tokens=n, stop=int(state.stop_reason[b]),
         counters=[int(c.rounds[b]), int(c.drafted[b]), int(c.accepted[b]), int(c.emitted[b])],
-        k=state.cache.stacked()[0][:, b, : n - 1], v=state.cache.stacked()[1][:, b, : n - 1],
-        dk=state.drafter_state.stacked()[0][:, b, : n - 2],
+        k=k[:, b, : n - 1], v=v[:, b, : n - 1], dk=state.drafter_state.stacked()[0][:, b, : n - 2],
     )
 
 
