@@ -264,6 +264,26 @@ def test_measured_costs_have_one_entry_per_shape():
     assert len(costs["rounds"]) == 3 and min(costs["rounds"].values()) > 0
 
 
+@pytest.mark.parametrize("seconds, want_repeats", [(0.1, 7), (10.0, 5), (30.0, 3)])
+def test_timings_are_least_of_turns_cut_short_by_the_budget(seconds, want_repeats):
+    """Three calls timed in turn, the second ``seconds`` long, the others 0.1 s, every call's 2nd and 5th
+    sample twice as long: 7 repeats while they fit in BUDGET_S (60 s); else no repeat starts once 60 s
+    are spent (10 s: 10.2, 20.4, 10.2, 10.2, 20.4 s a repeat, 71.4 s after 5), but at least 3 run; each
+    shape's least time."""
+    assert (calibration.REPEATS, calibration.MIN_REPEATS, calibration.BUDGET_S) == (7, 3, 60.0)
+    counts = [0, 0, 0]
+
+    def call(i):
+        def timed():
+            counts[i] += 1
+            return [0.1, seconds, 0.1][i] * (1.0 + (counts[i] % 3 == 2))  # every third sample twice as long
+        return timed
+
+    least = calibration.least_in_turn([call(0), call(1), call(2)])
+    assert counts == [want_repeats] * 3
+    assert least == pytest.approx([0.1, seconds, 0.1])
+
+
 @pytest.mark.parametrize("kind", ["chain", "free", "tree"])
 def test_costs_split_whole_rounds_into_drafting_and_the_rest(kind, monkeypatch):
     """verify_s[i] = R(d_i, i) - draft_s[d_i], with the rounds a program of that kind runs: a chain

@@ -49,20 +49,41 @@ from specdec_jax.target import chain_positions, resolve_target
 
 CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
 CALIBRATION_ROUNDS = 8  # rounds per timed call of `time_rounds` (fewer where the capacity has no room)
+# Timed calls of each shape: REPEATS, or fewer (never under MIN_REPEATS) once the calls of one measurement have taken
+# BUDGET_S seconds. The Qwen2.5-Coder 1.5B / 0.5B pair's rounds at 5 shapes take 14 s a repeat on a 2-core CPU; a
+# target of several billion parameters would spend minutes on 7 (docs/shape_policy.md).
+REPEATS, MIN_REPEATS, BUDGET_S = 7, 3, 60.0
 
 
-def least_time_fed_back(step, carry, repeats: int = 7) -> float:
-    """The least seconds of ``carry = step(carry)`` over ``repeats`` calls after one warm-up call (least:
-    a shared machine's memory bandwidth drops for seconds at a time, docs/shape_policy.md). ``step``
-    donates its carry (the caches), which is fed back between calls, as the loop runs them: nothing is
-    copied."""
-    carry = jax.block_until_ready(step(carry))
-    times = []
-    for _ in range(repeats):
+def fed_back(step, carry):
+    """A call for `least_in_turn`: one timed ``carry = step(carry)``, its result fed to the next call (``step``
+    donates its carry, the caches, as the loop does: nothing is copied). Compiles and warms up first,
+    untimed."""
+    box = [jax.block_until_ready(step(carry))]
+
+    def call():
         start = time.perf_counter()
-        carry = jax.block_until_ready(step(carry))
-        times.append(time.perf_counter() - start)
-    return min(times)
+        box[0] = jax.block_until_ready(step(box[0]))
+        return time.perf_counter() - start
+
+    return call
+
+
+def least_in_turn(calls, repeats: int = REPEATS) -> list[float]:
+    """The least seconds of each of ``calls`` (functions that each time one call and return its seconds;
+    least: a shared machine's memory bandwidth drops for seconds at a time, docs/shape_policy.md),
+    called in turn, one call of each per repeat, so that a change in the machine's load reaches all of
+    them alike: ``repeats`` times, or fewer, but at least MIN_REPEATS, once the calls have taken
+    BUDGET_S seconds in all."""
+    times = [[] for _ in calls]
+    spent = 0.0
+    for repeat in range(repeats):
+        if repeat >= MIN_REPEATS and spent >= BUDGET_S:
+            break
+        for call, samples in zip(calls, times):
+            samples.append(call())
+            spent += samples[-1]
+    return [min(t) for t in times]
 
 
 def target_pass_step(spec, width: int):
@@ -84,16 +105,16 @@ def target_pass_step(spec, width: int):
     return step
 
 
-def time_target_pass(run, width: int, repeats: int = 7) -> float:
+def time_target_pass(run, width: int, repeats: int = REPEATS) -> float:
     """Seconds of one target pass of ``width`` tokens per row of ``run`` (an `engine.Prepared`):
-    `target_pass_step`, its cache donated and fed back."""
+    `target_pass_step`, its cache donated and fed back (`fed_back`)."""
     step = jax.jit(target_pass_step(run.spec, width), donate_argnums=1)
     batch = run.state.cache.lengths.shape[0]
     carry = (jax.tree.map(jnp.copy, run.state.cache), jnp.zeros((batch, width), jnp.int32))
-    return least_time_fed_back(lambda c: step(run.params.target, c), carry, repeats)
+    return least_in_turn([fed_back(lambda c: step(run.params.target, c), carry)], repeats)[0]
 
 
-def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
+def time_draft_step(run, gamma: int | None = None, repeats: int = REPEATS) -> float:
     """Seconds of one `draft_step` at a fixed ``gamma`` (default the run's; at most its gamma): the
     drafter's whole proposal, a copy of the loop state donated and fed back. gamma 0 times the
     round of a shape policy that does not speculate (the drafter keeping its state in step, or
@@ -101,11 +122,11 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = 7) -> float:
     return time_draft_steps(run, [run.spec.gamma if gamma is None else gamma], repeats)[0]
 
 
-def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
+def time_draft_steps(run, gammas, repeats: int = REPEATS) -> list[float]:
     """`time_draft_step` at each of ``gammas``, timed in turn (one call of each per repeat), so that a
     change in the machine's load reaches all of them alike (timed one after another they can be priced
-    out of order: docs/shape_policy.md); the least time of each."""
-    steps = []
+    out of order: docs/shape_policy.md); the least time of each (`least_in_turn`)."""
+    calls = []
     for gamma in gammas:
         spec = dataclasses.replace(run.spec, gamma=gamma, policy=None)
         state = jax.tree.map(jnp.copy, run.state)
@@ -114,14 +135,8 @@ def time_draft_steps(run, gammas, repeats: int = 7) -> list[float]:
             spec = dataclasses.replace(run.spec, policy=never)
             state = state.replace(acceptance=jnp.zeros(state.proposal.drafts.shape, jnp.float32))
         step = jax.jit(functools.partial(draft_step, spec), donate_argnums=1)
-        steps.append([step, jax.block_until_ready(step(run.params, state))])  # compiled and warm
-    times = [[] for _ in gammas]
-    for _ in range(repeats):
-        for entry, samples in zip(steps, times):
-            start = time.perf_counter()
-            entry[1] = jax.block_until_ready(entry[0](run.params, entry[1]))
-            samples.append(time.perf_counter() - start)
-    return [min(t) for t in times]
+        calls.append(fed_back(functools.partial(step, run.params), state))  # every length compiled before timing
+    return least_in_turn(calls, repeats)
 
 
 def loop_of_rounds(run, rounds: int):
@@ -131,7 +146,7 @@ def loop_of_rounds(run, rounds: int):
         0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
 
 
-def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
+def time_rounds(run, shapes, repeats: int = REPEATS, rounds: int = 1) -> list[float]:
     """The least seconds of one whole round (`draft_step` then `verify_step`) of ``run``'s batch (prepared
     with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
     pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
@@ -150,18 +165,20 @@ def time_rounds(run, shapes, repeats: int = 7, rounds: int = 1) -> list[float]:
     fresh = lambda d, v: jax.block_until_ready(
         jax.tree.map(jnp.copy, run.state.replace(forced_shape=jnp.array([d, v], jnp.int32))))
     jax.block_until_ready(step(run.params, fresh(0, 0)))  # compile and warm up
-    times = [[] for _ in shapes]
-    for _ in range(repeats):
-        for (d, v), samples in zip(shapes, times):
+
+    def timed(d, v):
+        def call():
             state = fresh(d, v)
             start = time.perf_counter()
             jax.block_until_ready(step(run.params, state))
-            samples.append((time.perf_counter() - start) / rounds)
-    return [min(t) for t in times]
+            return time.perf_counter() - start
+        return call
+
+    return [t / rounds for t in least_in_turn([timed(d, v) for d, v in shapes], repeats)]
 
 
 def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False,
-                  repeats: int = 7) -> dict:
+                  repeats: int = REPEATS) -> dict:
     """Seconds of T1, of each shape's round past its drafting and of that drafting, on a batch of
     ``batch`` rows of (at most) CALIBRATION_PROMPT random tokens at KV capacity ``capacity``,
     rounds timed CALIBRATION_ROUNDS at a time in a loop (`time_rounds`):
