@@ -14,7 +14,8 @@ Kinds: ``fetch`` (a file assembled from wheels; pip replaced by `test_reliabilit
 ``convert`` (the GGUF converted), ``datastore`` (the folder indexed), ``grammar`` (tables of a
 regex), ``calibration`` (the shape policy's costs; the measurement replaced by a 2-second stand-in
 whose numbers name the process that measured) and ``compile`` (a program in JAX's persistent
-compilation cache, through `compile_cache.atomic_puts`).
+compilation cache, through `compile_cache.atomic_puts`, which does not publish through
+`specdec_jax.cache`: it is not counted in ``published``).
 """
 
 import hashlib

@@ -6,6 +6,8 @@ one-line errors."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 import pathlib
 import shutil
@@ -109,15 +111,18 @@ def test_each_anchored_block_is_a_drafting_pass_over_the_context_before_its_anch
     features = jnp.asarray(rng.standard_normal((2, 10, 2, layer.hidden_size)), jnp.float32)
     anchors = jnp.asarray([[1, 4, 8], [7, 2, 5]], jnp.int32)
     trained = anchored_logits(cfg, LlamaTarget(target.config), params, tokens, features, anchors)
+
+    @functools.partial(jax.jit, static_argnums=0)  # one program per context length, not one per op
+    def served(a, params, anchor_token, context):
+        block = jnp.concatenate([anchor_token[None, None], jnp.full((1, 2), 7, jnp.int32)], axis=1)
+        cache = write_context(cfg, params, layer.init_cache(1, a), context, jnp.arange(a)[None])
+        return block_logits(cfg, params, LlamaTarget(target.config), params["target"], block, a + jnp.arange(3)[None],
+                            cache, jnp.ones((1, 3, a), bool), jnp.ones((1, 3, 3), bool))[0]
+
     for row in range(2):
-        for column, a in enumerate(np.asarray(anchors[row])):
-            block = jnp.asarray([[int(tokens[row, a]), 7, 7]], jnp.int32)
-            cache = write_context(cfg, params, layer.init_cache(1, int(a)), features[row : row + 1, :a],
-                                  jnp.arange(a)[None])
-            served = block_logits(cfg, params, LlamaTarget(target.config), params["target"], block,
-                                  a + jnp.arange(3)[None], cache, jnp.ones((1, 3, int(a)), bool),
-                                  jnp.ones((1, 3, 3), bool))
-            np.testing.assert_allclose(trained[row, column], served[0], atol=1e-4)
+        for column, a in enumerate(np.asarray(anchors[row]).tolist()):
+            np.testing.assert_allclose(trained[row, column], served(a, params, tokens[row, a], features[row : row + 1, :a]),
+                                       atol=1e-4)
 
 
 def test_anchors_are_distinct_candidates_and_weights_follow_the_reference():

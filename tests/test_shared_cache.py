@@ -1,5 +1,6 @@
 """The cache shared by processes (`specdec_jax.cache`), with real processes (`tests/cache_worker.py`):
-processes started together on an empty cache build each entry once and agree; a build killed with
+processes started together on an empty cache build each entry once and agree (a compiled program,
+written unlocked, is one whole entry); a build killed with
 SIGKILL leaves no entry that a later process would trust, and the next process heals it in one line;
 a waiter names the holder and takes over when it dies."""
 
@@ -84,9 +85,13 @@ def test_processes_started_together_on_an_empty_cache_build_each_entry_once_and_
     kinds = {"split.gguf", f"{CACHE_FORMAT}-{cache_name(store / 'converted')}", cache_name(store / "datastores"),
              cache_name(store / "grammar")}
     assert kinds <= set(counts), (kinds, counts)
-    assert any(name.endswith("-cache") for name in counts), counts  # a compiled program
     for folder in (store / "converted", store / "datastores", store / "grammar", store / "split"):
         assert not list(folder.glob(".*.partial")), list(folder.iterdir())
+    # compiled programs are written unlocked (an entry is a function of its key), renamed whole: every
+    # program the workers compiled is one complete entry, and no temporary file is left
+    programs = complete_entries(store / "xla")
+    assert any(name.startswith("jit__lambda-") and name.endswith("-cache") for name in programs), programs
+    assert not [p for p in (store / "xla").iterdir() if p.name.startswith(".")], list((store / "xla").iterdir())
 
 
 def cache_name(folder: pathlib.Path) -> str:
