@@ -126,7 +126,9 @@ class ShapePolicy:
     # acceptance assumed before a position is observed; None: CHAIN_PRIOR (TREE_PRIOR for a tree), or
     # `break_even` + PROBE_MARGIN where that is higher
     prior: float | None = None
-    learn: float = 0.25  # weight of a new observation
+    # weight of a new observation: 0.15 rather than 0.25, so one rejection moves a row's estimate less (a draft
+    # model's misses come in bursts it recovers from; docs/shape_policy.md, "How fast a row's estimates move")
+    learn: float = 0.15
     relax: float = 0.2  # per-round pull of an unobserved position 1 toward the prior (docs/shape_policy.md)
     follow: float = 0.25  # per-round pull of an unobserved position i > 1 toward position i - 1
     tree: bool = False  # gammas are token-tree node counts; acceptance is per node (module docstring)
