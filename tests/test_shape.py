@@ -273,7 +273,7 @@ def test_timings_are_least_of_turns_cut_short_by_the_budget(seconds, want_repeat
     """Three calls timed in turn, the second ``seconds`` long, the others 0.1 s, every call's 2nd and 5th
     sample twice as long: 7 repeats while they fit in BUDGET_S (60 s); else no repeat starts once 60 s
     are spent (10 s: 10.2, 20.4, 10.2, 10.2, 20.4 s a repeat, 71.4 s after 5), but at least 3 run; each
-    shape's least time."""
+    shape's least time. A count the caller gives is run whole."""
     assert (calibration.REPEATS, calibration.MIN_REPEATS, calibration.BUDGET_S) == (7, 3, 60.0)
     counts = [0, 0, 0]
 
@@ -286,6 +286,9 @@ def test_timings_are_least_of_turns_cut_short_by_the_budget(seconds, want_repeat
     least = calibration.least_in_turn([call(0), call(1), call(2)])
     assert counts == [want_repeats] * 3
     assert least == pytest.approx([0.1, seconds, 0.1])
+    counts[:] = [0, 0, 0]
+    calibration.least_in_turn([call(0), call(1), call(2)], repeats=7)  # a count given is kept, whatever it costs
+    assert counts == [7] * 3
 
 
 @pytest.mark.parametrize("kind", ["chain", "free", "tree"])

@@ -49,9 +49,9 @@ from specdec_jax.target import chain_positions, resolve_target
 
 CALIBRATION_PROMPT = 64  # tokens per row of the timed batch
 CALIBRATION_ROUNDS = 8  # rounds per timed call of `time_rounds` (fewer where the capacity has no room)
-# Timed calls of each shape: REPEATS, or fewer (never under MIN_REPEATS) once the calls of one measurement have taken
-# BUDGET_S seconds. The Qwen2.5-Coder 1.5B / 0.5B pair's rounds at 5 shapes take 14 s a repeat on a 2-core CPU; a
-# target of several billion parameters would spend minutes on 7 (docs/shape_policy.md).
+# Timed calls of each shape unless a caller gives its own count: REPEATS, or fewer (never under MIN_REPEATS) once the
+# calls of one measurement have taken BUDGET_S seconds. The Qwen2.5-Coder 1.5B / 0.5B pair's rounds at 5 shapes take
+# 14 s a repeat on a 2-core CPU; a target of several billion parameters would spend minutes on 7 (docs/shape_policy.md).
 REPEATS, MIN_REPEATS, BUDGET_S = 7, 3, 60.0
 
 
@@ -69,16 +69,16 @@ def fed_back(step, carry):
     return call
 
 
-def least_in_turn(calls, repeats: int = REPEATS) -> list[float]:
+def least_in_turn(calls, repeats: int | None = None) -> list[float]:
     """The least seconds of each of ``calls`` (functions that each time one call and return its seconds;
     least: a shared machine's memory bandwidth drops for seconds at a time, docs/shape_policy.md),
     called in turn, one call of each per repeat, so that a change in the machine's load reaches all of
-    them alike: ``repeats`` times, or fewer, but at least MIN_REPEATS, once the calls have taken
-    BUDGET_S seconds in all."""
+    them alike: ``repeats`` times; None: REPEATS times, or fewer, but at least MIN_REPEATS, once the
+    calls have taken BUDGET_S seconds in all."""
     times = [[] for _ in calls]
     spent = 0.0
-    for repeat in range(repeats):
-        if repeat >= MIN_REPEATS and spent >= BUDGET_S:
+    for repeat in range(REPEATS if repeats is None else repeats):
+        if repeats is None and repeat >= MIN_REPEATS and spent >= BUDGET_S:
             break
         for call, samples in zip(calls, times):
             samples.append(call())
@@ -105,7 +105,7 @@ def target_pass_step(spec, width: int):
     return step
 
 
-def time_target_pass(run, width: int, repeats: int = REPEATS) -> float:
+def time_target_pass(run, width: int, repeats: int | None = None) -> float:
     """Seconds of one target pass of ``width`` tokens per row of ``run`` (an `engine.Prepared`):
     `target_pass_step`, its cache donated and fed back (`fed_back`)."""
     step = jax.jit(target_pass_step(run.spec, width), donate_argnums=1)
@@ -114,7 +114,7 @@ def time_target_pass(run, width: int, repeats: int = REPEATS) -> float:
     return least_in_turn([fed_back(lambda c: step(run.params.target, c), carry)], repeats)[0]
 
 
-def time_draft_step(run, gamma: int | None = None, repeats: int = REPEATS) -> float:
+def time_draft_step(run, gamma: int | None = None, repeats: int | None = None) -> float:
     """Seconds of one `draft_step` at a fixed ``gamma`` (default the run's; at most its gamma): the
     drafter's whole proposal, a copy of the loop state donated and fed back. gamma 0 times the
     round of a shape policy that does not speculate (the drafter keeping its state in step, or
@@ -122,7 +122,7 @@ def time_draft_step(run, gamma: int | None = None, repeats: int = REPEATS) -> fl
     return time_draft_steps(run, [run.spec.gamma if gamma is None else gamma], repeats)[0]
 
 
-def time_draft_steps(run, gammas, repeats: int = REPEATS) -> list[float]:
+def time_draft_steps(run, gammas, repeats: int | None = None) -> list[float]:
     """`time_draft_step` at each of ``gammas``, timed in turn (one call of each per repeat), so that a
     change in the machine's load reaches all of them alike (timed one after another they can be priced
     out of order: docs/shape_policy.md); the least time of each (`least_in_turn`)."""
@@ -146,7 +146,7 @@ def loop_of_rounds(run, rounds: int):
         0, rounds, lambda _, s: decode_round(run.spec, params, s), state), donate_argnums=1)
 
 
-def time_rounds(run, shapes, repeats: int = REPEATS, rounds: int = 1) -> list[float]:
+def time_rounds(run, shapes, repeats: int | None = None, rounds: int = 1) -> list[float]:
     """The least seconds of one whole round (`draft_step` then `verify_step`) of ``run``'s batch (prepared
     with a shape policy) at each forced shape of ``shapes``, (draft index, verify index)
     pairs (`DecodeState.forced_shape`: every live row verifies that many drafts, found or not).
@@ -178,7 +178,7 @@ def time_rounds(run, shapes, repeats: int = REPEATS, rounds: int = 1) -> list[fl
 
 
 def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS, tree: bool = False,
-                  repeats: int = REPEATS) -> dict:
+                  repeats: int | None = None) -> dict:
     """Seconds of T1, of each shape's round past its drafting and of that drafting, on a batch of
     ``batch`` rows of (at most) CALIBRATION_PROMPT random tokens at KV capacity ``capacity``,
     rounds timed CALIBRATION_ROUNDS at a time in a loop (`time_rounds`):
