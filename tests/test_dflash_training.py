@@ -7,7 +7,6 @@ one-line errors."""
 from __future__ import annotations
 
 import functools
-
 import json
 import pathlib
 import shutil
@@ -121,8 +120,8 @@ def test_each_anchored_block_is_a_drafting_pass_over_the_context_before_its_anch
 
     for row in range(2):
         for column, a in enumerate(np.asarray(anchors[row]).tolist()):
-            np.testing.assert_allclose(trained[row, column], served(a, params, tokens[row, a], features[row : row + 1, :a]),
-                                       atol=1e-4)
+            want = served(a, params, tokens[row, a], features[row : row + 1, :a])
+            np.testing.assert_allclose(trained[row, column], want, atol=1e-4)
 
 
 def test_anchors_are_distinct_candidates_and_weights_follow_the_reference():

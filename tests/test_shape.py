@@ -280,7 +280,7 @@ def test_timings_are_least_of_turns_cut_short_by_the_budget(seconds, want_repeat
     def call(i):
         def timed():
             counts[i] += 1
-            return [0.1, seconds, 0.1][i] * (1.0 + (counts[i] % 3 == 2))  # every third sample twice as long
+            return [0.1, seconds, 0.1][i] * (1.0 + (counts[i] % 3 == 2))  # the 2nd and 5th twice as long
         return timed
 
     least = calibration.least_in_turn([call(0), call(1), call(2)])

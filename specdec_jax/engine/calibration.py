@@ -59,11 +59,12 @@ def fed_back(step, carry):
     """A call for `least_in_turn`: one timed ``carry = step(carry)``, its result fed to the next call (``step``
     donates its carry, the caches, as the loop does: nothing is copied). Compiles and warms up first,
     untimed."""
-    box = [jax.block_until_ready(step(carry))]
+    carry = jax.block_until_ready(step(carry))
 
     def call():
+        nonlocal carry
         start = time.perf_counter()
-        box[0] = jax.block_until_ready(step(box[0]))
+        carry = jax.block_until_ready(step(carry))
         return time.perf_counter() - start
 
     return call
