@@ -13,7 +13,8 @@ each of `--batch-sizes` rows in file order, as `bench` makes them), pricing
 each round with this device's calibrated costs (`engine.calibrated_costs`,
 the cache a run at that capacity uses). Per batch it writes the policy's
 predicted speedup (the longest row's plain rounds over the priced rounds) and
-the verify widths chosen, for each estimator setting of `--grid`, to
+the verify widths chosen, for each estimator setting of `--grid` (and each fixed gamma of
+`--fixed-gammas`, as a run at that gamma), to
 experiments/results/policy_replay/<split>_b<batch>/ (results.json, table.md). Tune on the
 training split (`--split train`, the default), check on the held-out questions; with
 `--bench REPORT` (an auto bench of the same prompts and one batch size) the
@@ -152,6 +153,17 @@ def parse_grid(items: list[str]) -> list[dict]:
     return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
 
 
+def setting_policy(costs: dict, setting: dict) -> ShapePolicy:
+    """The policy a setting names: the calibrated one with those estimator constants, or with ``gamma`` (a
+    `--fixed-gammas` entry) one that drafts and verifies that many every round, as a run at that fixed gamma."""
+    if "gamma" not in setting:
+        return engine.policy_from_costs(costs, **setting)
+    at = costs["gammas"].index(setting["gamma"])
+    fixed = {**costs, "gammas": [0, setting["gamma"]], "verify_s": [costs["verify_s"][0], costs["verify_s"][at]],
+             "draft_s": [0.0, costs["draft_s"][at]]}
+    return engine.policy_from_costs(fixed, prior=1.0, learn=0.0, relax=0.0, follow=0.0)
+
+
 def batch_name(chunk: list[dict]) -> str:
     return "+".join(dict.fromkeys(r["category"] for r in chunk))
 
@@ -159,6 +171,8 @@ def batch_name(chunk: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", nargs="*", default=["prior=0.3,0.5,0.7", "learn=0.25,0.5", "relax=0.003,0.01"])
+    parser.add_argument("--fixed-gammas", type=int, nargs="*", default=[],
+                        help="also replay these fixed gammas (of the calibrated shapes), beside the grid")
     parser.add_argument("--split", choices=("train", "heldout"), default="train",
                         help="tune on training-split questions; check on the held-out ones")
     parser.add_argument("--per-category", type=int, default=2)
@@ -215,13 +229,13 @@ def main(argv=None) -> int:
     for batch_size in args.batch_sizes:
         batches = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
         rows, results = [], []
-        for setting in parse_grid(args.grid):
+        for setting in parse_grid(args.grid) + [{"gamma": g} for g in args.fixed_gammas]:
             per_batch = []
             for chunk in batches:
                 size = 1 << (len(chunk) - 1).bit_length()
                 capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.inputs.max_new_tokens, gamma)
                 costs = engine.calibrated_costs(target, drafter, size, capacity)
-                cost, widths = replay(engine.policy_from_costs(costs, **setting), [tables[r["id"]] for r in chunk],
+                cost, widths = replay(setting_policy(costs, setting), [tables[r["id"]] for r in chunk],
                                       cfg.inputs.max_new_tokens, size, catch_up_cost)
                 longest = max(len(tables[r["id"]][0]) for r in chunk)
                 per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk),

@@ -98,7 +98,7 @@ def cost_model(target, drafter, gamma: int | str, prompts: list[list[int]], capa
     if gamma == engine.AUTO:
         batch = 1 << (len(prompts) - 1).bit_length()  # the engine's batch bucket
         costs = engine.calibrated_costs(target, drafter, batch, capacity)
-        policy = engine.policy_from_costs(costs, tree=costs["tree"])  # the seconds it decided with
+        policy = engine.policy_from_costs(costs)  # the seconds it decided with
         verify = [c * costs["T1"] for c in policy.verify_cost]
         draft = [c * costs["T1"] for c in policy.draft_cost]
         draft = [draft[-1]] * len(draft) if policy.free_drafts else draft

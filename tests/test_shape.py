@@ -18,6 +18,7 @@ import pytest
 
 import engine_helpers as H
 from specdec_jax import engine, theory
+from specdec_jax.drafters.model import CHAIN_ACCEPTANCE
 from specdec_jax.engine import ShapePolicy, calibration, shape
 from specdec_jax.engine.request import resolve_gamma
 from specdec_jax.sampling import SamplingParams
@@ -243,6 +244,37 @@ def test_calibration_is_cached_per_shape_and_refreshed_on_demand(tmp_path, monke
     assert calls == [(4, 128), (8, 128), (4, 192), (4, 128)]
     saved = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
     assert len(saved) == 3 and all('"batch": ' in s["key"] for s in saved)
+
+
+# The Qwen2.5-Coder pair's least-time calibration on the project's CPU (32,768-id draft head, KV capacity 256)
+PAIR_VERIFY, PAIR_DRAFT = (1.0, 1.128, 1.101, 1.054, 1.163), (0.0, 0.319, 0.594, 0.917, 1.162)
+
+
+def test_a_draft_models_chains_start_from_its_typical_acceptance(tmp_path, monkeypatch):
+    """A draft model names the acceptance its chains typically reach; a policy calibrated for it
+    starts there instead of at CHAIN_PRIOR, and so opens with the chain the closed form prefers at
+    that acceptance (3 drafts at 0.75 under the pair's costs, 1 at 0.5). The oracle, whose acceptance
+    is its parameter, names none; a prior passed explicitly wins."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "measure_costs", lambda *a, **k: {
+        "T1": 1.0, "verify_s": list(PAIR_VERIFY), "draft_s": list(PAIR_DRAFT), "gammas": list(engine.AUTO_GAMMAS)})
+    live, room = jnp.array([True]), jnp.array([100])
+
+    def opening(p: ShapePolicy) -> int:
+        return p.gammas[int(shape.choose_draft(p, p.initial(1), live, room))]
+
+    def closed_form(a: float) -> int:
+        rate = [theory.expected_tokens_per_round(a, g) / (v + d) for g, v, d in zip(engine.AUTO_GAMMAS, PAIR_VERIFY,
+                                                                                     PAIR_DRAFT)]
+        return engine.AUTO_GAMMAS[int(np.argmax(rate))]
+
+    drafting = calibration.shape_policy(H.target(), H.model_drafter(), 1, 64)
+    assert drafting.prior == CHAIN_ACCEPTANCE and opening(drafting) == closed_form(CHAIN_ACCEPTANCE) == 3
+    oracle = calibration.shape_policy(H.target(), H.oracle(0.5), 1, 64)
+    assert oracle.prior == shape.CHAIN_PRIOR and opening(oracle) == closed_form(shape.CHAIN_PRIOR) == 1
+    assert calibration.shape_policy(H.target(), H.model_drafter(), 1, 64, prior=0.5).prior == 0.5
+    with pytest.raises(ValueError, match="drafter_prior"):
+        ShapePolicy(GAMMAS, CPU_COSTS, (0.0,) * 4, drafter_prior=1.5)
 
 
 def test_a_cheaper_wider_shape_is_kept_and_preferred():

@@ -160,6 +160,9 @@ class DrafterBase:
     reads_hidden: tuple[int, ...] = ()
     tree: TreeShape | None = None
     max_drafts: int | None = None  # the most drafts one proposal holds (a DFlash block's B - 1); None: no bound
+    # the acceptance a shape policy assumes of a row before it has seen any (`engine.shape.ShapePolicy.drafter_prior`);
+    # None: the policy's own default
+    acceptance_prior: float | None = None
     without_replacement: bool = False
 
     def check(self, target: TargetModel, mesh) -> None:

@@ -65,6 +65,10 @@ from specdec_jax.token_tree import TreeShape
 # of up to 4 tokens costs about what one token's does (docs/design.md section 8).
 WINDOW = 4
 CATCH_UP = 16  # tokens per catch-up pass (module docstring)
+# What a draft model of the target's family typically has its chain's drafts accepted at (greedy, conditional on the
+# drafts before: the Qwen2.5-Coder pair's 0.5B 0.70-0.85 on Spec-Bench), the shape policy's prior for its chains:
+# from CHAIN_PRIOR's 0.5 a row spends its first dozen rounds on short chains (docs/shape_policy.md, "Prior").
+CHAIN_ACCEPTANCE = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,12 @@ class ModelDrafter(DrafterBase):
             raise ValueError(f"catch_up must be at least 1, got {self.catch_up}")
         if self.tree is not None and self.oracle:
             raise ValueError("the oracle drafts chains only")
+
+    @property
+    def acceptance_prior(self) -> float | None:
+        """`CHAIN_ACCEPTANCE` for a real draft model's chains; None (the policy's default) for a tree or the
+        oracle, whose acceptance is its parameter."""
+        return None if self.oracle or self.tree is not None else CHAIN_ACCEPTANCE
 
     def check(self, target, mesh) -> None:
         if self.config.vocab_size != target.vocab_size:

@@ -234,7 +234,8 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
 
 def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False) -> dict:
     """`measure_costs` of `gammas` (default `auto_shapes`; for a tree drafter, node counts), read
-    from the disk cache unless `refresh` (or measured and cached); adds ``tree``. Process 0 holds the
+    from the disk cache unless `refresh` (or measured and cached); adds ``tree`` and ``drafter_prior`` (the
+    drafter's `acceptance_prior`, None where it names none): what `policy_from_costs` needs beside the seconds. Process 0 holds the
     entry's lock (`cache.locked`) from reading to writing: another run waits for these costs rather
     than measuring beside them (the other processes of this run measure with it, unlocked)."""
     default, tree = auto_shapes(drafter)
@@ -252,7 +253,7 @@ def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, re
             costs = same_on_every_process(measure_costs(target, drafter, batch, capacity, gammas, tree))
             if first:
                 write_text_atomic(path, json.dumps({"key": key, "costs": costs}, indent=1))
-    return {**costs, "tree": tree}
+    return {**costs, "tree": tree, "drafter_prior": getattr(drafter, "acceptance_prior", None)}
 
 
 def _read_costs(path, key: str, gammas) -> dict | None:
@@ -279,19 +280,21 @@ def shape_policy(target, drafter, batch: int, capacity: int, gammas=None, refres
                  **estimator) -> ShapePolicy:
     """The `ShapePolicy` of `calibrated_costs` (this device's, cached on disk); `estimator`:
     ShapePolicy's prior / learn / relax / follow."""
-    costs = calibrated_costs(target, drafter, batch, capacity, gammas, refresh)
-    return policy_from_costs(costs, tree=costs["tree"], **estimator)
+    return policy_from_costs(calibrated_costs(target, drafter, batch, capacity, gammas, refresh), **estimator)
 
 
 def policy_from_costs(costs: dict, **estimator) -> ShapePolicy:
     """A ShapePolicy from `measure_costs`'s seconds, normalised by T1. A wider shape may cost less
     than a narrower one (docs/design.md section 8) and is then kept so: the narrower shape is never
     the better choice and the policy skips it. No verify shape is priced under one plain round,
-    which a draft timing measured apart from its round could otherwise imply."""
+    which a draft timing measured apart from its round could otherwise imply. ``tree`` and
+    ``drafter_prior`` come from `calibrated_costs`'s entries of those names where ``estimator`` does
+    not name them."""
     t1 = costs["T1"]
     verify = tuple(np.maximum(np.asarray(costs["verify_s"], float) / t1, 1.0).tolist())
     draft = tuple(np.maximum(np.asarray(costs["draft_s"], float) / t1, 0.0).tolist())
-    return ShapePolicy(tuple(costs["gammas"]), verify, draft, **estimator)
+    fields = {"tree": costs.get("tree", False), "drafter_prior": costs.get("drafter_prior"), **estimator}
+    return ShapePolicy(tuple(costs["gammas"]), verify, draft, **fields)
 
 
 # How costs are measured, and the revision of the forward pass they were measured on: changing

@@ -123,9 +123,10 @@ class ShapePolicy:
     gammas: tuple[int, ...]  # ascending, gammas[0] == 0
     verify_cost: tuple[float, ...]  # Tv(g + 1) / T1 per entry of gammas (1.0 for g = 0)
     draft_cost: tuple[float, ...]  # drafting g tokens / T1 per entry of gammas
-    # acceptance assumed before a position is observed; None: CHAIN_PRIOR (TREE_PRIOR for a tree), or
-    # `break_even` + PROBE_MARGIN where that is higher
+    # acceptance assumed before a position is observed; None: ``drafter_prior`` (without one CHAIN_PRIOR, TREE_PRIOR
+    # for a tree), or `break_even` + PROBE_MARGIN where that is higher
     prior: float | None = None
+    drafter_prior: float | None = None  # the drafter's `acceptance_prior`: what it typically reaches, if it says
     # weight of a new observation: 0.15 rather than 0.25, so one rejection moves a row's estimate less (a draft
     # model's misses come in bursts it recovers from; docs/shape_policy.md, "How fast a row's estimates move")
     learn: float = 0.15
@@ -145,8 +146,10 @@ class ShapePolicy:
             raise ValueError("verify_cost and draft_cost need one entry per gamma")
         if min(self.verify_cost) <= 0 or min(self.draft_cost) < 0:
             raise ValueError("verify costs must be > 0 and draft costs >= 0")
+        if self.drafter_prior is not None and not 0.0 <= self.drafter_prior <= 1.0:
+            raise ValueError(f"drafter_prior must be in [0, 1], got {self.drafter_prior}")
         if self.prior is None:
-            default = TREE_PRIOR if self.tree else CHAIN_PRIOR
+            default = self.drafter_prior if self.drafter_prior is not None else TREE_PRIOR if self.tree else CHAIN_PRIOR
             object.__setattr__(self, "prior", min(1.0, max(default, break_even(self) + PROBE_MARGIN)))
         for name in ("prior", "learn", "relax", "follow"):
             if not 0.0 <= getattr(self, name) <= 1.0:
