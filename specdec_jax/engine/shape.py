@@ -38,10 +38,11 @@ Each round, on device:
    and the estimate of position i - 1 (weight `follow`): depths not tried lately
    are assumed as good as the depth above them, or the prior (conditional
    acceptance tends to grow with depth: a copy that started goes on), so a row
-   that accepts well is soon offered a longer chain. The default prior sits at
-   least `PROBE_MARGIN` above the acceptance at which drafting breaks even
-   (`break_even`), so that a row probes where drafting is dear instead of never
-   drafting.
+   that accepts well is soon offered a longer chain. The default prior is what
+   the drafter says its drafts typically reach (`drafter_prior`; else
+   `CHAIN_PRIOR`), and sits at least `PROBE_MARGIN` above the acceptance at which
+   drafting breaks even (`break_even`), so that a row probes where drafting is
+   dear instead of never drafting.
 
 A token tree is just another shape (`tree=True`, docs/design.md section 10): gammas
 are node counts, and a tree drafter orders its nodes so that every prefix is
