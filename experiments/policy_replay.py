@@ -168,7 +168,27 @@ def batch_name(chunk: list[dict]) -> str:
     return "+".join(dict.fromkeys(r["category"] for r in chunk))
 
 
-def main(argv=None) -> int:
+def plain_rows(args, cfg, target) -> tuple[list[dict], list[tuple]]:
+    """(records, rows): the prompts to replay ({id, category}) and per prompt (id, category, prompt ids, plain
+    output ids), from `--rows-from`'s bench report or from plain runs of the split's questions."""
+    if args.rows_from:
+        report = json.loads(args.rows_from.read_text())
+        rows = [(i, c, p, o) for b in report["batches"]
+                for i, c, p, o in zip(b["ids"], b["categories"], b["prompt_ids"], b["plain_outputs"])]
+        return [{"id": i, "category": c} for i, c, _, _ in rows], rows
+    tok = target.tokenizer
+    records = [prompt_record(q) for q in recipe_questions(args.split, args.per_category,
+                                                          max_prompt_tokens=args.max_prompt_tokens, tokenizer=tok)]
+    rows = []
+    for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
+        p = encode(tok, r["prompt"], cfg.inputs.raw)
+        rows.append((r["id"], r["category"], p, engine.generate(
+            target, [p], None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
+            stop_ids=stop_ids(cfg, tok)).tokens[0]))
+    return records, rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", nargs="*", default=["prior=0.3,0.5,0.7", "learn=0.25,0.5", "relax=0.003,0.01"])
     parser.add_argument("--fixed-gammas", type=int, nargs="*", default=[],
@@ -192,36 +212,24 @@ def main(argv=None) -> int:
     parser.add_argument("--rows-from", type=pathlib.Path, default=None,
                         help="a bench report whose prompts and plain outputs to replay (no plain runs)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "policy_replay")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     model_fields = {} if args.model is None else {"model": args.model}
     if args.draft_model:
         model_fields.update(drafter="draft-model", draft_model=args.draft_model, draft_vocab=args.draft_vocab)
     cfg = run_config(max_new_tokens=args.max_new_tokens, **model_fields)
     target = load_model(cfg.model)
-    tok = target.tokenizer
     drafter = build_drafter(cfg, target)
     catch_up_cost = args.catch_up_cost if args.draft_model else 0.0
-    if args.rows_from:
-        report = json.loads(args.rows_from.read_text())
-        rows = [(i, c, p, o) for b in report["batches"]
-                for i, c, p, o in zip(b["ids"], b["categories"], b["prompt_ids"], b["plain_outputs"])]
-        records = [{"id": i, "category": c} for i, c, _, _ in rows]
-    else:
-        records = [prompt_record(q) for q in recipe_questions(args.split, args.per_category,
-                                                              max_prompt_tokens=args.max_prompt_tokens,
-                                                              tokenizer=tok)]
+    records, rows = plain_rows(args, cfg, target)
     bench_widths = {}
     if args.bench:
         bench_widths = {tuple(map(str, b["ids"])): b["width_rounds"]
                         for b in json.loads(args.bench.read_text())["batches"]}
     gamma, tables, lengths = max(engine.AUTO_GAMMAS), {}, {}
-    if not args.rows_from:
-        rows = []
-        for r in tqdm(records, desc="plain runs", unit="prompt"):  # one at a time: a batch pads every prompt
-            p = encode(tok, r["prompt"], cfg.inputs.raw)
-            rows.append((r["id"], r["category"], p, engine.generate(
-                target, [p], None, gamma=0, max_new_tokens=cfg.inputs.max_new_tokens,
-                stop_ids=stop_ids(cfg, tok)).tokens[0]))
     matches = draft_matches(args.draft_model, rows, args.draft_vocab) if args.draft_model else [None] * len(rows)
     for (qid, _, p, out), match in zip(rows, matches):
         tables[qid] = chain_tables(match, gamma) if args.draft_model else proposals(drafter, p + out, len(p), gamma)

@@ -84,7 +84,8 @@ def test_a_file_of_nul_bytes_in_a_datastore_folder_is_not_text(tmp_path):
 
 def write_sweep(tmp_path) -> pathlib.Path:
     path = tmp_path / "sweep.yaml"
-    path.write_text("base: {model: tiny-random, raw: true, prompt: ab, max_new_tokens: 2, drafter: oracle}\n"
+    path.write_text("base: {model: tiny-random, raw: true, prompt: ab, max_new_tokens: 2, drafter: draft-model, "
+                    "draft_model: tiny-random-draft}\n"
                     "grid: {gamma: [1]}\n")
     return path
 

@@ -32,8 +32,20 @@ def policy(draft=(0.0, 0.0, 0.0, 0.0), verify=CPU_COSTS, **estimator) -> ShapePo
 
 
 # The oracle's costs: one draft pays from a > 0.4; a prior of 0.7 (not the default 0.5) opens with the widest
-# chain. One compiled program serves every oracle alpha under them (the policy is part of the program).
+# chain. One compiled program serves every oracle alpha under them (the policy is part of the program), and the
+# oracle runs under penalised greedy decoding (PENALTIES) throughout, so that every oracle test here shares it: the
+# exact oracle drafts the penalised argmaxes, so its acceptance is still alpha.
 ORACLE_COSTS = policy((0.0, 0.1, 0.2, 0.4), verify=(1.0, 1.3, 1.5, 1.8), prior=0.7)
+PENALTIES = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2)
+
+
+def oracle_auto(alpha: float) -> engine.GenerationResult:
+    return engine.generate(H.target(), H.RAGGED, H.oracle(alpha), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW,
+                           sampling=PENALTIES)
+
+
+def penalised_plain() -> list[list[int]]:
+    return engine.generate(H.target(), H.RAGGED, max_new_tokens=H.MAX_NEW, sampling=PENALTIES).tokens
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
@@ -127,26 +139,28 @@ def test_bad_policies_and_arguments_are_clear_errors():
         engine.generate(H.target(), H.RAGGED, H.ngram(), gamma="fast")
 
 
-@pytest.mark.parametrize("name", ["ngram", "model", "oracle-0.5"])
+@pytest.mark.parametrize("name", ["ngram", "model"])  # the oracle: test_penalised_greedy_auto_equals_plain_decoding
 def test_auto_is_lossless(name):
-    drafter = {"ngram": H.ngram, "model": H.model_drafter, "oracle-0.5": lambda: H.oracle(0.5)}[name]()
-    costs = {"ngram": policy(), "model": policy((0.05, 0.1, 0.2, 0.4)), "oracle-0.5": ORACLE_COSTS}[name]
+    drafter = {"ngram": H.ngram, "model": H.model_drafter}[name]()
+    costs = {"ngram": policy(), "model": policy((0.05, 0.1, 0.2, 0.4))}[name]
     out = engine.generate(H.target(), H.RAGGED, drafter, policy=costs, max_new_tokens=H.MAX_NEW)
     assert out.tokens == H.reference_no_eos().tokens
     assert sum(out.metrics.width_rounds) == out.loop_rounds
 
 
-def test_penalised_greedy_auto_equals_plain_decoding():
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_penalised_greedy_auto_equals_plain_decoding(alpha):
     """Each width's branch reduces its logits to penalised argmaxes (`round.keeps_logits`): the
     counts it penalises with are the ones of its own columns. The exact oracle drafts penalised
-    argmaxes, so it is accepted through every width the policy runs."""
-    sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2)
-    ref = engine.generate(H.target(), H.RAGGED, max_new_tokens=H.MAX_NEW, sampling=sampling)
-    out = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW,
-                          sampling=sampling)
-    assert out.tokens == ref.tokens
+    argmaxes, so at alpha 1 it is accepted through every width the policy runs; at 0.5 the widths
+    mix."""
+    out = oracle_auto(alpha)
+    assert out.tokens == penalised_plain()
     assert out.tokens != H.reference_no_eos().tokens  # the penalties change the output
-    assert out.metrics.mean_accepted_length > 3.0, out.metrics
+    if alpha == 1.0:
+        assert out.metrics.mean_accepted_length > 3.0, out.metrics
+    else:
+        assert sum(n > 0 for n in out.metrics.width_rounds) >= 3, out.metrics
 
 
 def test_a_default_prior_below_the_break_even_is_raised_to_probe():
@@ -169,7 +183,7 @@ def test_a_default_prior_below_the_break_even_is_raised_to_probe():
 
 
 def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
-    bad = engine.generate(H.target(), H.RAGGED, H.oracle(0.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW)
+    bad = oracle_auto(0.0)
     # The rounds priced by the policy's own costs (each width at its drafting and verify cost) stay within 30% of
     # plain decoding's: mostly plain steps and short probes. Each row probes again a few rounds after a failure
     # (the default relax and learn), and the batch's rows probe out of phase, each probe widening the whole
@@ -177,11 +191,11 @@ def test_auto_turns_speculation_off_when_drafts_fail_and_on_when_they_land():
     per_round = np.add(ORACLE_COSTS.verify_cost, ORACLE_COSTS.draft_cost)
     assert bad.metrics.width_rounds[0] >= 0.35 * bad.loop_rounds, bad.metrics
     assert np.dot(bad.metrics.width_rounds, per_round) <= 1.3 * bad.loop_rounds, bad.metrics
-    good = engine.generate(H.target(), H.RAGGED, H.oracle(1.0), policy=ORACLE_COSTS, max_new_tokens=H.MAX_NEW)
+    good = oracle_auto(1.0)
     assert good.metrics.width_rounds[-1] >= 0.4 * good.loop_rounds, good.metrics  # the widest chain, soon
     assert good.metrics.mean_accepted_length > 3.5
     for out in (bad, good):
-        assert out.tokens == H.reference_no_eos().tokens
+        assert out.tokens == penalised_plain()
 
 
 def test_eagle_stays_in_step_through_rounds_without_speculation():
