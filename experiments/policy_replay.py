@@ -241,7 +241,8 @@ def main(argv=None) -> int:
             per_batch = []
             for chunk in batches:
                 size = 1 << (len(chunk) - 1).bit_length()
-                capacity = engine.default_capacity(max(lengths[r["id"]] for r in chunk), cfg.inputs.max_new_tokens, gamma)
+                longest_prompt = max(lengths[r["id"]] for r in chunk)
+                capacity = engine.default_capacity(longest_prompt, cfg.inputs.max_new_tokens, gamma)
                 costs = engine.calibrated_costs(target, drafter, size, capacity)
                 cost, widths = replay(setting_policy(costs, setting), [tables[r["id"]] for r in chunk],
                                       cfg.inputs.max_new_tokens, size, catch_up_cost)

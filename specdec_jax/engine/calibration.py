@@ -234,10 +234,11 @@ def measure_costs(target, drafter, batch: int, capacity: int, gammas=AUTO_GAMMAS
 
 def calibrated_costs(target, drafter, batch: int, capacity: int, gammas=None, refresh: bool = False) -> dict:
     """`measure_costs` of `gammas` (default `auto_shapes`; for a tree drafter, node counts), read
-    from the disk cache unless `refresh` (or measured and cached); adds ``tree`` and ``drafter_prior`` (the
-    drafter's `acceptance_prior`, None where it names none): what `policy_from_costs` needs beside the seconds. Process 0 holds the
-    entry's lock (`cache.locked`) from reading to writing: another run waits for these costs rather
-    than measuring beside them (the other processes of this run measure with it, unlocked)."""
+    from the disk cache unless `refresh` (or measured and cached); adds ``tree`` and ``drafter_prior``
+    (the drafter's `acceptance_prior`, None where it names none): what `policy_from_costs` needs
+    beside the seconds. Process 0 holds the entry's lock (`cache.locked`) from reading to writing:
+    another run waits for these costs rather than measuring beside them (the other processes of this
+    run measure with it, unlocked)."""
     default, tree = auto_shapes(drafter)
     gammas = tuple(sorted({0, *map(int, default if gammas is None else gammas)}))
     key = calibration_key(target, drafter, batch, capacity, gammas)
