@@ -180,9 +180,13 @@ def load_raw(path):
     return yaml.safe_load(path.read_text()) or {}
 
 
+# a sweep's base: the 1-layer draft model drafting for tiny-random, two sampled rows
+BASE = ("model: tiny-random, drafter: draft-model, draft_model: tiny-random-draft, max_new_tokens: 6, ignore_eos: true, "
+        "raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3")
+
+
 def write_sweep(tmp_path, grid="{gamma: [1, 2]}", base=None):
-    base = base or ("{model: tiny-random, drafter: draft-model, draft_model: tiny-random-draft, max_new_tokens: 6, "
-                    "ignore_eos: true, raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3}")
+    base = base or f"{{{BASE}}}"
     path = tmp_path / "sweep.yaml"
     path.write_text(f"base: {base}\ngrid: {grid}\n")
     return path
@@ -190,8 +194,7 @@ def write_sweep(tmp_path, grid="{gamma: [1, 2]}", base=None):
 
 def test_sweep_writes_records_tables_and_plots(tmp_path):
     out = tmp_path / "out"
-    base = ("{model: tiny-random, drafter: draft-model, draft_model: tiny-random-draft, max_new_tokens: 6, "
-            "ignore_eos: true, raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3, logprobs: 0}")
+    base = f"{{{BASE}, logprobs: 0}}"
     records = sweep(write_sweep(tmp_path, base=base), out, progress=False)
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(records) == len(lines) == 2
