@@ -181,8 +181,8 @@ def load_raw(path):
 
 
 # a sweep's base: the 1-layer draft model drafting for tiny-random, two sampled rows
-BASE = ("model: tiny-random, drafter: draft-model, draft_model: tiny-random-draft, max_new_tokens: 6, ignore_eos: true, "
-        "raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3")
+BASE = ("model: tiny-random, drafter: draft-model, draft_model: tiny-random-draft, max_new_tokens: 6, "
+        "ignore_eos: true, raw: true, batch_size: 2, prompt: [ab, cde], temperature: 0.8, seed: 3")
 
 
 def write_sweep(tmp_path, grid="{gamma: [1, 2]}", base=None):
