@@ -26,6 +26,7 @@ from specdec_jax.drafters.base import PrefillContext, Proposal
 from specdec_jax.engine.memory import (
     MEMORY_FIX,
     check_memory_floor,
+    compile_once,
     compiled_loop,
     describe_shapes,
     format_size,
@@ -207,8 +208,7 @@ def compiled_prefill(spec: EngineSpec, params: EngineParams, inputs, lens: np.nd
     ValueError with the numbers when its memory (the loop state it returns, KV caches, token buffer, the
     drafter's state, and its working memory: a long prompt's attention scores) exceeds ``free`` bytes
     (per device of a mesh, from the compiled program's own accounting; None: unknown, no check)."""
-    compiled = prefill.lower(spec, params, *inputs).compile()
-    stats = compiled.memory_analysis()
+    compiled, stats = compile_once(prefill, spec, params, *inputs)
     if stats is not None and free is not None:
         need = stats.output_size_in_bytes + stats.temp_size_in_bytes
         if need > free:
