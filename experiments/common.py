@@ -206,6 +206,12 @@ def draft_matches(draft_name: str, rows, draft_vocab: int = 0) -> list[list[bool
     output token, given the output before it (one teacher-forced pass): under greedy verification, which drafts
     of a chain the target accepts. ``draft_vocab``: the draft's logits over its first ids and its stop ids only
     (`--draft-vocab`; 0: all)."""
+    return [matches for matches, _ in draft_guesses(draft_name, rows, draft_vocab)]
+
+
+def draft_guesses(draft_name: str, rows, draft_vocab: int = 0) -> list[tuple[list[bool], list[float]]]:
+    """Per row, `draft_matches`'s matches and the draft's confidence at each output position: the probability
+    its law (softmax of its logits) gives its greedy token."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -217,13 +223,19 @@ def draft_matches(draft_name: str, rows, draft_vocab: int = 0) -> list[list[bool
     draft = draft.with_output_vocab(draft_vocab) if draft_vocab else draft
     ids = draft.model.params().get("vocab_map")
     width = max(len(p) + len(o) for _, _, p, o in rows)
-    step = jax.jit(lambda params, tokens: jnp.argmax(forward(draft.config, params, tokens,
-                                                             draft.config.init_cache(1, width))[0], -1))
-    found = []
+
+    @jax.jit
+    def step(params, tokens):  # i32[1,T] -> (greedy ids, their probabilities), f32[1,T] each
+        logits = forward(draft.config, params, tokens, draft.config.init_cache(1, width))[0]
+        return jnp.argmax(logits, -1), jnp.max(jax.nn.softmax(logits, -1), -1)
+
+    guesses = []
     for _, _, prompt, output in rows:
         seq = np.zeros((1, width), np.int32)
         seq[0, : len(prompt) + len(output)] = prompt + output  # causal: the padding after is never seen
-        guess = np.asarray(step(draft.model.params(), jnp.asarray(seq)))[0]
+        guess, confidence = (np.asarray(x)[0] for x in step(draft.model.params(), jnp.asarray(seq)))
         guess = guess if ids is None else np.asarray(ids)[guess]
-        found.append([bool(guess[len(prompt) - 1 + i] == t) for i, t in enumerate(output)])
-    return found
+        at = len(prompt) - 1
+        guesses.append(([bool(guess[at + i] == t) for i, t in enumerate(output)],
+                        [float(c) for c in confidence[at : at + len(output)]]))
+    return guesses

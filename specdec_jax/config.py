@@ -120,6 +120,7 @@ class DrafterSettings:
     """Settings particular drafters read (`drafters.table`: each entry's ``settings``)."""
 
     draft_vocab: int = 0  # a draft model's logits over its first N ids (+ stop ids) only; 0: all
+    draft_confidence: float = 0.0  # a draft model's chain stops after a draft it is less sure of (drafters.chain)
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
@@ -132,6 +133,7 @@ class DrafterSettings:
                       ("ngram_min", self.ngram_min >= 1, "an int >= 1"),
                       ("ngram_max", self.ngram_max >= self.ngram_min, "an int >= ngram_min"),
                       ("draft_vocab", self.draft_vocab >= 0, "an int >= 0"),
+                      ("draft_confidence", 0.0 <= self.draft_confidence < 1.0, "in [0, 1)"),
                       ("dflash_block", self.dflash_block == 0 or self.dflash_block >= 2, "0 or an int >= 2")))
 
 

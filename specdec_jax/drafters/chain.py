@@ -11,6 +11,15 @@ after the drafts before (`grammar.RowGrammar.constrain`), as the target's are,
 so q is the law really drawn from and no draft is wasted on a refused token.
 Only how the logits of the next position arise differs: `draw_chain` takes that
 as a function.
+
+A chain may stop early (``stop_below``, `--draft-confidence`): after the first
+draft whose confidence is below the threshold, the row drafts nothing more, and
+once no row drafts, the remaining steps are skipped (a `lax.cond` per step), so
+their drafter passes are not paid. A draft's confidence is the probability of
+the drawn token under the law it was drawn from, or for a greedy row under the
+softmax of its processed logits (the temperature-1 law): EAGLE-2's and
+transformers' `assistant_confidence_threshold`. The stop depends on the
+drafter's own law and draws only, so verification stays exact.
 """
 
 from __future__ import annotations
@@ -45,13 +54,15 @@ def drafter_sampling(ctx: DraftContext, vocab_map: jax.Array | None, vocab_size:
 
 def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logits: NextLogits, carry: Any,
                vocab_size: int, vocab_map: jax.Array | None = None,
-               corrupt_alpha: jax.Array | None = None) -> tuple[Proposal, Any]:
-    """``(Proposal with gamma drafts per row, carry)``; gamma 0: no drafts and ``carry`` unchanged.
+               corrupt_alpha: jax.Array | None = None, stop_below: float = 0.0) -> tuple[Proposal, Any]:
+    """``(Proposal with up to gamma drafts per row, carry)``; gamma 0: no drafts and ``carry`` unchanged.
 
     first_logits: f32[B,Vo] the drafter's logits of draft 1; next_logits feeds each drawn
       draft (a `lax.scan` of gamma - 1 steps) and returns the logits of the next one.
     vocab_map: i32[Vo] target id of each logit (a reduced output vocabulary); None: Vo = V.
     corrupt_alpha: the oracle's corruption, f32[] (drafts kept with probability alpha, q a point mass).
+    stop_below: a row's chain ends after its first draft of confidence below this (module docstring); its
+      ``num_draft`` counts the drafts up to that one. 0: every row drafts gamma.
     """
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
         return empty_proposal(first_logits.shape[0]), carry
@@ -68,11 +79,13 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
         keys = ctx.keys[:, index]  # key[B] of this draft's position
         if constraint is not None:
             logits = constraint.constrain(logits, states, index, vocab_map)
+        penalized = penalize(logits, sampling, counts)
         if sampling.any_sampled:
             law = process_logits(logits, sampling, counts)  # f32[B,Vo]
             drawn = _draw(for_purpose(keys, Purpose.DRAFT), law, sampling)  # i32[B] into the Vo ids
         else:  # every row greedy: the token without the law
-            law, drawn = None, first_argmax(penalize(logits, sampling, counts))
+            law, drawn = None, first_argmax(penalized)
+        confident = None if stop_below <= 0 else _confidence(penalized, law, drawn, sampling) >= stop_below
         token = drawn if vocab_map is None else vocab_map[drawn]
         if corrupt_alpha is not None:
             token = _corrupt(keys, token, corrupt_alpha, vocab_size)
@@ -80,25 +93,42 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
             counts = counts.add(drawn)
         if constraint is not None:
             states = advance(constraint.tables, states, token)
-        return token, (law if keep_laws else None), counts, states
+        return token, (law if keep_laws else None), counts, states, confident
 
     def step(state, index):
-        logits, counts, states, carry = state
-        token, law, counts, states = pick(logits, counts, states, index)
-        logits, carry = next_logits(carry, token, index)
-        return (logits, counts, states, carry), (token, law)
+        logits, counts, states, carry, going = state
+        token, law, counts, states, confident = pick(logits, counts, states, index)
+        counted = going  # bool[B]: this draft is one of the row's chain
+        if stop_below > 0:  # the row's next draft only after a confident one; none at all: the pass is skipped
+            going = going & confident
+            logits, carry = jax.lax.cond(jnp.any(going), lambda: next_logits(carry, token, index),
+                                         lambda: (jnp.zeros_like(logits), carry))
+        else:
+            logits, carry = next_logits(carry, token, index)
+        return (logits, counts, states, carry, going), (token, law, counted)
 
-    (logits, counts, states, carry), (tokens, laws) = jax.lax.scan(
-        step, (first_logits, counts, states, carry), jnp.arange(gamma - 1))
-    last, last_law, _, _ = pick(logits, counts, states, gamma - 1)
+    going = jnp.ones(first_logits.shape[:1], bool)  # bool[B]: the row's chain has not stopped
+    (logits, counts, states, carry, going), (tokens, laws, counted) = jax.lax.scan(
+        step, (first_logits, counts, states, carry, going), jnp.arange(gamma - 1))
+    last, last_law, _, _, _ = pick(logits, counts, states, gamma - 1)
     drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
     probs = None
     if keep_laws:
         probs = jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)  # f32[B,G,Vo]
         if vocab_map is not None:
             probs = jnp.zeros(probs.shape[:2] + (vocab_size,), probs.dtype).at[:, :, vocab_map].set(probs)
-    num_draft = jnp.full((drafts.shape[0],), gamma, jnp.int32)
-    return Proposal(drafts.astype(jnp.int32), num_draft, probs), carry
+    num_draft = jnp.sum(counted, axis=0) + going  # drafts up to each row's stop (all gamma without one)
+    return Proposal(drafts.astype(jnp.int32), num_draft.astype(jnp.int32), probs), carry
+
+
+def _confidence(penalized: jax.Array, law: jax.Array | None, drawn: jax.Array, sampling: RowSampling) -> jax.Array:
+    """f32[B]: each row's confidence in its draft ``drawn`` i32[B] (module docstring): its probability under the
+    row's processed law f32[B,Vo], or for a greedy row the largest probability of the softmax of its penalized
+    logits f32[B,Vo]."""
+    greedy = jnp.max(jax.nn.softmax(penalized, axis=-1), axis=-1)
+    if law is None:
+        return greedy
+    return jnp.where(sampling.temperature == 0, greedy, jnp.take_along_axis(law, drawn[:, None], axis=1)[:, 0])
 
 
 def _draw(keys, law, sampling: RowSampling):

@@ -81,6 +81,8 @@ class ModelDrafter(DrafterBase):
       ``params["oracle_alpha"]``, an f32[] weight, so that every alpha runs one
       compiled program; q a point mass).
     catch_up: the width of a catch-up pass (module docstring).
+    stop_below: a chain ends after its first draft of confidence below this (`chain.draw_chain`,
+      `--draft-confidence`); the draft passes after it are skipped. 0: every chain is gamma long.
     """
 
     config: LlamaConfig
@@ -89,6 +91,7 @@ class ModelDrafter(DrafterBase):
     name: str = "draft-model"
     tree: TreeShape | None = None
     catch_up: int = CATCH_UP
+    stop_below: float = 0.0
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
@@ -96,6 +99,11 @@ class ModelDrafter(DrafterBase):
             raise ValueError(f"catch_up must be at least 1, got {self.catch_up}")
         if self.tree is not None and self.oracle:
             raise ValueError("the oracle drafts chains only")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise ValueError(f"the draft confidence a chain stops below must be in [0, 1), got {self.stop_below}")
+        if self.stop_below and (self.tree is not None or self.oracle):
+            raise ValueError("a draft confidence stops a draft model's chains: a tree keeps its most likely nodes "
+                             "already, and the oracle's drafts are not drawn from its law")
 
     @property
     def acceptance_prior(self) -> float | None:
@@ -151,7 +159,7 @@ class ModelDrafter(DrafterBase):
             return empty_proposal(n.shape[0], tree=self.tree is not None), nothing
         draft = self._grow if self.tree is not None else self._chain
         proposal, block = ordered_read(lambda c: draft(params, c, ctx, gamma), cache.with_lengths(start))
-        fed = n + 1 if self.tree is not None else n + gamma  # t0 and the drafts fed (all but the last)
+        fed = n + 1 if self.tree is not None else n + proposal.num_draft  # t0 and the drafts fed (all but the last)
         return proposal, CacheWrite(block, start, fed)
 
     def settle(self, params, cache: KVCache, write: CacheWrite) -> KVCache:
@@ -176,7 +184,7 @@ class ModelDrafter(DrafterBase):
             return logits[:, 0], block.insert(new, column)
 
         return draw_chain(ctx, gamma, logits, feed, block, self.config.vocab_size, params.get("vocab_map"),
-                          params["oracle_alpha"] if self.oracle else None)
+                          params["oracle_alpha"] if self.oracle else None, self.stop_below)
 
     def _grow(self, params, cache: KVCache, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVBlock]:
         """Re-encode what the cache lacks up to t0 (from ``cache.lengths``), then grow the tree over it

@@ -135,7 +135,8 @@ def _draft_model(cfg, target, mesh):
         draft = draft.with_output_vocab(cfg.drafting.draft_vocab)
     if mesh is not None:
         draft = place_model(draft, mesh, "the draft model")
-    return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape)
+    return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape,
+                        stop_below=cfg.drafting.draft_confidence)
 
 
 def _oracle(cfg, target, mesh):
@@ -166,7 +167,8 @@ register_drafter("ngram", _ngram, "prompt lookup, the continuation of the latest
 register_drafter("retrieval", _retrieval, "the n-gram lookup in a token datastore (--datastore) and the context",
                  needs=("datastore",), trees=True, settings=("ngram_max", "ngram_min", "datastore"))
 register_drafter("draft-model", _draft_model, "a smaller model of the target's vocabulary (--draft-model)",
-                 needs=("draft_model",), trees=True, settings=("draft_vocab",), peer="assisted", trained_kind="model")
+                 needs=("draft_model",), trees=True, settings=("draft_vocab", "draft_confidence"), peer="assisted",
+                 trained_kind="model")
 register_drafter("oracle", _oracle, "proposes the target's own token with probability --oracle-alpha (for "
                  "experiments)", settings=("oracle_alpha",))
 register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a trained head folder, or a "

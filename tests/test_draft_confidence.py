@@ -1,0 +1,92 @@
+"""A draft model's chain that stops at its first unconfident draft (`--draft-confidence`, `drafters.chain`).
+
+The stopping rule is checked against the draft model run from scratch (a full
+forward pass per draft, no cache), and greedy outputs against plain decoding;
+the sampled law under the stop is in `tests/test_engine_law.py` (case
+``model-stop-g3``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from specdec_jax.audit import noisy_copy
+from specdec_jax.drafters import ModelDrafter
+from specdec_jax.drafters.model import oracle_drafter
+from specdec_jax.engine import ShapePolicy, generate, prepare
+from specdec_jax.engine.round import draft_step
+from specdec_jax.models import load_model
+from specdec_jax.models.llama import forward
+
+GAMMA = 4
+STOP = 0.1  # tiny-random's laws are flat: its drafts' confidences lie around 0.05-0.3
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 20, 30, 40, 50, 60, 70], [5]]
+# a fixed policy (not a calibration): rounds of 1 or 4 drafts as the estimates move
+POLICY = ShapePolicy((0, 1, 4), (1.0, 1.1, 1.3), (0.0, 0.1, 0.4), prior=0.9)
+
+
+@functools.cache
+def target():
+    return load_model("tiny-random")
+
+
+@functools.cache
+def draft():
+    """The target's weights with a little noise: right on about two drafts in three."""
+    return noisy_copy(target().model, scale=0.05)
+
+
+def stopping_drafter(stop: float = STOP) -> ModelDrafter:
+    return ModelDrafter(draft().config, draft().params(), stop_below=stop)
+
+
+def reference_chain(committed: list[int], stop: float) -> list[int]:
+    """The draft's greedy chain after ``committed``, up to GAMMA drafts and ended after the first whose
+    softmax probability is below ``stop``: one full forward pass per draft."""
+    config, params, chain = draft().config, draft().params(), []
+    while len(chain) < GAMMA:
+        tokens = np.asarray([committed + chain], np.int32)
+        logits = forward(config, params, tokens, config.init_cache(1, tokens.shape[1]))[0][0, -1]
+        probs = np.asarray(jax.nn.softmax(logits))
+        chain.append(int(np.argmax(probs)))
+        if probs.max() < stop:
+            break
+    return chain
+
+
+def test_a_chain_stops_after_its_first_unconfident_draft():
+    run = prepare(target(), PROMPTS, stopping_drafter(), gamma=GAMMA, max_new_tokens=16)
+    proposal = draft_step(run.spec, run.params, run.state).proposal
+    drafts, counts = np.asarray(proposal.drafts), np.asarray(proposal.num_draft)
+    tokens, lengths = np.asarray(run.state.tokens), np.asarray(run.state.num_tokens)
+    expected = [reference_chain(tokens[b, : lengths[b]].tolist(), STOP) for b in range(len(PROMPTS))]
+    assert counts[: len(PROMPTS)].tolist() == [len(chain) for chain in expected]
+    for b, chain in enumerate(expected):
+        assert drafts[b, : len(chain)].tolist() == chain
+    assert len({len(chain) for chain in expected}) > 1  # rows stopped at different drafts
+
+
+@pytest.mark.parametrize("gamma", [GAMMA, "auto"])
+def test_greedy_chains_with_a_confidence_stop_equal_plain_decoding(gamma):
+    plain = generate(target(), PROMPTS, None, gamma=0, max_new_tokens=24)
+    spec = generate(target(), PROMPTS, stopping_drafter(), gamma=gamma, policy=POLICY if gamma == "auto" else None,
+                    max_new_tokens=24)
+    assert spec.tokens == plain.tokens
+    proposed, accepted = spec.metrics.position_proposed, spec.metrics.position_accepted
+    assert proposed[-1] > 0 and accepted[-1] > 0  # some chains ran to the end, and were accepted whole
+    assert proposed[1] < 0.8 * proposed[0]  # and many stopped at their first draft
+    unstopped = generate(target(), PROMPTS, stopping_drafter(0.0), gamma=gamma,
+                         policy=POLICY if gamma == "auto" else None, max_new_tokens=24)
+    assert spec.metrics.draft_tokens < unstopped.metrics.draft_tokens
+
+
+def test_trees_and_the_oracle_refuse_a_confidence_stop():
+    with pytest.raises(ValueError, match="stops a draft model's chains"):
+        oracle = oracle_drafter(target().config, target().model.params(), 0.8)
+        ModelDrafter(oracle.config, oracle.params, oracle=True, stop_below=0.5)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        stopping_drafter(1.0)
