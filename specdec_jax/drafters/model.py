@@ -9,6 +9,9 @@ section 2); the window rewrites it. With a 1-token prompt (n = 0) the window
 starts at slot 0. The cache's ``lengths`` is the first slot it lacks, or one
 past the drafts it fed (the first slot it lacks is then at most t0's slot - 1).
 The logits of t0 are read from the window's final-norm state at t0 alone.
+A chain that stops early (``stop_below``, `--draft-confidence`: after its first
+draft of low confidence, `chain.draw_chain`) fed t0 and its drafts but the
+last, so its cache's length is one past those.
 
 A proposal only reads the cache: the keys and values of the window and of each
 fed draft go into a pending `KVBlock` that the next draft step attends to beside
