@@ -30,8 +30,8 @@ FLAG_HELP = {  # the drafters a setting is for are added from the table of draft
                     "(0 = that size); --gamma auto verifies up to B - 1 of them",
     "draft_vocab": "the draft's logits over its first N vocabulary ids (BPE merge order, so the most frequent) and "
                    "its stop ids only, a cheaper head; 0 = its whole vocabulary",
-    "draft_confidence": "a chain stops after its first draft whose probability under the draft's law is below this "
-                        "(its later draft steps are skipped); 0 = every chain is gamma long",
+    "draft_confidence": "a chain stops after its first draft whose probability under the drafter's law is below "
+                        "this (its later draft steps are skipped); 0 = every chain is gamma long",
     "dtype": "weights, activations and KV cache of the target and draft model: float32 or bfloat16 (matrix "
              "products in it; norms, softmax and logits in float32)",
     "gamma": "drafts per round (0 = plain decoding), or auto: chosen each round from this device's measured "

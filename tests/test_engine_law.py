@@ -106,6 +106,7 @@ AUTO_TREE_POLICY = ShapePolicy((0, 2, 7), (1.0, 1.02, 2.0), (0.0, 0.1, 0.1), pri
 def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW):
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
                 "stop": lambda: ModelDrafter(CONFIG, draft().params(), stop_below=STOP),
+                "eagle-stop": lambda: dataclasses.replace(eagle_head(), stop_below=STOP),
                 "ngram": NgramDrafter, "eagle": eagle_head, "medusa": medusa_heads,
                 "trie": lambda: NgramDrafter(tree=TreeShape(nodes=6, depth=3, topk=2)),
                 "decoy-model": lambda: DecoyTree(ModelDrafter(CONFIG, draft().params()), V, draft().params()),
@@ -126,12 +127,13 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
 CASES = [("model", 2, 11, 3), pytest.param("model", 3, 12, 4, marks=pytest.mark.slow), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
          ("medusa", 3, 16, 4), pytest.param("model", "auto", 17, 4, marks=pytest.mark.slow), pytest.param("trie", None, 18, 4, marks=pytest.mark.slow), pytest.param("decoy-model", None, 19, 4, marks=pytest.mark.slow),  # also under auto below
          pytest.param("eagle-tree", None, 20, 4, marks=pytest.mark.slow), ("decoy-model", "auto", 21, 4),
-         ("stop", 3, 22, 4)]
+         ("stop", 3, 22, 4), pytest.param("eagle-stop", 3, 23, 4, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
                          ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto",
-                              "trie", "decoy-tree-of-model", "eagle-tree", "decoy-tree-auto", "model-stop-g3"])
+                              "trie", "decoy-tree-of-model", "eagle-tree", "decoy-tree-auto", "model-stop-g3",
+                              "eagle-stop-g3"])
 def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
     codes, metrics = spec_samples(drafter, gamma, seed, new)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
@@ -148,7 +150,7 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
         assert metrics.position_proposed[2] > N / 10 and metrics.position_accepted[1] > 0, metrics
     else:
         assert metrics.position_proposed[gamma - 1] > N / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
-    if drafter == "stop":  # many chains ended after an unconfident first draft
+    if drafter.endswith("stop"):  # many chains ended after an unconfident first draft
         assert metrics.position_proposed[1] < 0.8 * metrics.position_proposed[0], metrics
     if drafter == "reduced":  # tokens the draft cannot propose came (from the residual) at the target's rate
         digits = np.stack([codes // V**2, codes // V % V, codes % V])

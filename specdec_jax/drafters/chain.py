@@ -46,6 +46,15 @@ def empty_proposal(batch: int, tree: bool = False) -> Proposal:
     return Proposal(none, jnp.zeros((batch,), jnp.int32), None, none if tree else None)
 
 
+def check_stop_below(stop_below: float, tree) -> None:
+    """ValueError unless ``stop_below`` (a drafter's `draw_chain` threshold) is in [0, 1), and 0 for a drafter of
+    token trees (``tree`` not None): a dynamic tree keeps its most likely nodes already."""
+    if not 0.0 <= stop_below < 1.0:
+        raise ValueError(f"the draft confidence a chain stops below must be in [0, 1), got {stop_below}")
+    if stop_below and tree is not None:
+        raise ValueError("a draft confidence stops chains: a tree keeps its most likely nodes already")
+
+
 def drafter_sampling(ctx: DraftContext, vocab_map: jax.Array | None, vocab_size: int) -> RowSampling:
     """The rows' sampling settings over the drafter's output ids: a logit bias moved to them
     (`RowSampling.take`) when ``vocab_map`` i32[Vo] reduces the vocabulary of V = ``vocab_size`` ids."""

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal, check_head
-from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
+from specdec_jax.drafters.chain import check_stop_below, draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import CacheWrite, KVBlock, KVCache, ordered_read
 from specdec_jax.models.llama import LlamaConfig, init_params, param_shapes, run_layers
@@ -217,9 +217,11 @@ class EagleDrafter(DrafterBase):
     what: ClassVar[str] = "the EAGLE head"
     max_lag: int = MAX_LAG  # R: how far behind the head may fall (module docstring)
     catch_up: int = CATCH_UP  # slots per catch-up pass
+    stop_below: float = 0.0  # a chain ends after its first draft of confidence below this (`chain.draw_chain`)
 
     def __post_init__(self):
         check_dynamic_shape(self.tree)
+        check_stop_below(self.stop_below, self.tree)
         if self.max_lag < 2 or self.catch_up < 1:
             raise ValueError(f"max_lag must be at least 2 and catch_up at least 1, got {self.max_lag}, {self.catch_up}")
 
@@ -357,7 +359,7 @@ class EagleDrafter(DrafterBase):
             return logits, (pending.insert(new, column), fed)
 
         proposal, (pending, _) = draw_chain(ctx, gamma, first, feed, (pending, fed), self._layer().vocab_size,
-                                            params.get("vocab_map"))
+                                            params.get("vocab_map"), stop_below=self.stop_below)
         return proposal, pending
 
     def _tree(self, params, state: EagleState, ctx: DraftContext, nodes: int) -> tuple[Proposal, KVBlock]:

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.drafters.base import DraftContext, DrafterBase, PrefillContext, Proposal
-from specdec_jax.drafters.chain import draw_chain, drafter_sampling, empty_proposal
+from specdec_jax.drafters.chain import check_stop_below, draw_chain, drafter_sampling, empty_proposal
 from specdec_jax.drafters.dynamic_tree import check_dynamic_shape, grow_dynamic_tree
 from specdec_jax.kv_cache import CacheWrite, KVBlock, KVCache, ordered_read
 from specdec_jax.models.llama import LlamaConfig, apply, forward, lm_head
@@ -102,11 +102,9 @@ class ModelDrafter(DrafterBase):
             raise ValueError(f"catch_up must be at least 1, got {self.catch_up}")
         if self.tree is not None and self.oracle:
             raise ValueError("the oracle drafts chains only")
-        if not 0.0 <= self.stop_below < 1.0:
-            raise ValueError(f"the draft confidence a chain stops below must be in [0, 1), got {self.stop_below}")
-        if self.stop_below and (self.tree is not None or self.oracle):
-            raise ValueError("a draft confidence stops a draft model's chains: a tree keeps its most likely nodes "
-                             "already, and the oracle's drafts are not drawn from its law")
+        check_stop_below(self.stop_below, self.tree)
+        if self.stop_below and self.oracle:
+            raise ValueError("a draft confidence stops chains drawn from a drafter's law: the oracle's are not")
 
     @property
     def acceptance_prior(self) -> float | None:

@@ -151,7 +151,8 @@ def _head(cfg, target, mesh):
     from specdec_jax.drafters.published import load_drafter_folder
 
     drafter = load_drafter_folder(cfg.draft_model, kind=cfg.drafter, target=target)
-    return dataclasses.replace(drafter, tree=cfg.tree_shape)
+    stop = {"stop_below": cfg.drafting.draft_confidence} if cfg.drafting.draft_confidence else {}  # EAGLE's chains
+    return dataclasses.replace(drafter, tree=cfg.tree_shape, **stop)
 
 
 def _dflash(cfg, target, mesh):
@@ -173,7 +174,7 @@ register_drafter("oracle", _oracle, "proposes the target's own token with probab
                  "experiments)", settings=("oracle_alpha",))
 register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a trained head folder, or a "
                  "published EAGLE-3 head of speculators or SafeAILab: --draft-model)", needs=("draft_model",),
-                 trees=True, trained_kind="eagle")
+                 trees=True, settings=("draft_confidence",), trained_kind="eagle")
 register_drafter("medusa", _head, "Medusa heads on the target's last hidden state (a trained head folder, or "
                  "FasterDecoding's Medusa-1 heads: --draft-model)", needs=("draft_model",), trees=True,
                  settings=("tree_choices",), trained_kind="medusa")
