@@ -1,6 +1,7 @@
 """`--gamma auto`'s shape choices replayed offline, to tune the policy's estimator without timing runs.
 
-Makes the entry "Which prior should the shape policy start from?" of experiments/README.md.
+Makes the entry "Which prior should the shape policy start from?" of experiments/README.md, and the
+`--gamma auto` table of "Should a draft model's chain stop at its first unconfident draft?".
 
 Greedy verification makes a run's tokens those of plain decoding, and the n-gram
 drafter's proposal depends only on the committed tokens, so what each round
@@ -28,7 +29,9 @@ the run.
 
 With `--draft-model` the drafter is that model drafting for `--model`: under greedy verification a
 chain's accepted drafts are those the draft's greedy tokens get right in a row, known from one
-teacher-forced pass of the draft over each prompt and plain output (`common.draft_matches`), and a
+teacher-forced pass of the draft over each prompt and plain output (`common.draft_guesses`; with
+`--draft-confidence C` a chain stops after its first draft of confidence below C, as
+`drafters.model.ModelDrafter.stop_below` does, and a round pays for the drafts it drew), and a
 drafting round after plain rounds pays for the draft catching up (`--catch-up-cost` T1 per pass of
 `drafters.model.CATCH_UP` tokens; `drafters.model`). `--rows-from` takes the prompts and plain
 outputs of a bench report (e.g. experiments/qwen_pair.py's speed.json) instead of plain runs:
@@ -48,7 +51,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import RESULTS, draft_matches, markdown_table, prompt_record, recipe_questions, save
+from common import RESULTS, draft_guesses, markdown_table, prompt_record, recipe_questions, save
 from tqdm import tqdm
 
 from specdec_jax import engine
@@ -97,24 +100,31 @@ def _round(policy: ShapePolicy, acceptance, share, live, found, accepted, room):
     return drafted, chosen, accepted, shape.update(policy, acceptance, live, verified, accepted), share
 
 
-def chain_tables(matches: list[bool], gamma: int) -> tuple[np.ndarray, np.ndarray]:
+def chain_tables(matches: list[bool], gamma: int, confidence: list[float] | None = None,
+                 stop: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(found i32[J], accepted i32[J]) of a draft model's greedy chain at each of the J generated
-    positions: it always proposes gamma, and the target accepts them up to the first the draft gets wrong
-    (``matches``: `common.draft_matches`)."""
+    positions: it proposes gamma, or with ``stop`` (`--draft-confidence`) up to its first draft whose
+    ``confidence`` is below it, and the target accepts them up to the first the draft gets wrong
+    (``matches``, ``confidence``: `common.draft_guesses`)."""
     steps = len(matches)
-    accepted = np.zeros(steps, np.int32)
+    found, accepted = np.full(steps, gamma, np.int32), np.zeros(steps, np.int32)
     for j in range(steps):
-        while accepted[j] < gamma and j + accepted[j] < steps and matches[j + accepted[j]]:
+        if stop:
+            found[j] = next((k for k in range(1, gamma + 1) if j + k - 1 < steps and confidence[j + k - 1] < stop),
+                            gamma)
+        while accepted[j] < found[j] and j + accepted[j] < steps and matches[j + accepted[j]]:
             accepted[j] += 1
-    return np.full(steps, gamma, np.int32), accepted
+    return found, accepted
 
 
 def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_new: int,
-           batch: int, catch_up_cost: float = 0.0) -> tuple[float, list[int]]:
+           batch: int, catch_up_cost: float = 0.0, stops: bool = False) -> tuple[float, list[int]]:
     """(priced rounds in units of T1, rounds per verify shape) of one batch's generation: rows of
     (found, accepted) tables, padded to the engine's ``batch`` with rows that are done. With
     ``catch_up_cost`` (T1 per pass), a drafting round first pays for the passes of `CATCH_UP` tokens
-    that bring the rows' draft caches within `WINDOW` of their t0 (`drafters.model`)."""
+    that bring the rows' draft caches within `WINDOW` of their t0 (`drafters.model`). With ``stops``
+    (chains that stop at an unconfident draft) a round pays for the drafts its longest chain drew, not
+    for the size the policy chose (a fixed gamma's policy knows only its own size, and pays it)."""
     steps = np.zeros(batch, np.int64)
     steps[: len(rows)] = [len(found) for found, _ in rows]
     tables = np.zeros((2, batch, max_new + 1), np.int32)
@@ -132,9 +142,12 @@ def replay(policy: ShapePolicy, rows: list[tuple[np.ndarray, np.ndarray]], max_n
                                                        jnp.asarray(tables[0, np.arange(batch), at]),
                                                        jnp.asarray(tables[1, np.arange(batch), at]),
                                                        jnp.asarray(room, jnp.int32))
-        chosen = int(chosen)
+        chosen, paid = int(chosen), int(drafted)
         widths[chosen] += 1
-        cost += policy.verify_cost[chosen] + policy.draft_cost[int(drafted)]
+        if stops and paid > 0:  # the chains drew min(chosen size, found) drafts; the longest is paid
+            drawn = np.minimum(tables[0, np.arange(batch), at], policy.gammas[paid])
+            paid = int(np.searchsorted(policy.gammas, int(np.max(np.where(live, drawn, 0)))))
+        cost += policy.verify_cost[chosen] + policy.draft_cost[paid]
         if int(drafted) > 0:
             cost += catch_up_cost * int(np.max(np.ceil(np.maximum(lacking[live] - WINDOW, 0) / CATCH_UP)))
         lacking = np.where(live, 2 if int(drafted) > 0 else lacking + 1, lacking)  # t0 and at most one draft
@@ -206,6 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="the target (default the project's default model)")
     parser.add_argument("--draft-model", default=None, help="a draft model instead of the n-gram drafter")
     parser.add_argument("--draft-vocab", type=int, default=0, help="the draft's output ids (0: all)")
+    parser.add_argument("--draft-confidence", type=float, default=0.0,
+                        help="the draft model's chains stop after a draft of confidence below this (0: never)")
     parser.add_argument("--catch-up-cost", type=float, default=0.47,
                         help="T1 per catch-up pass of the draft model (default: the Qwen pair's on a 2-core CPU, "
                              "about 1.6 of the 0.5B's 4-token pass)")
@@ -230,9 +245,10 @@ def main(argv=None) -> int:
         bench_widths = {tuple(map(str, b["ids"])): b["width_rounds"]
                         for b in json.loads(args.bench.read_text())["batches"]}
     gamma, tables, lengths = max(engine.AUTO_GAMMAS), {}, {}
-    matches = draft_matches(args.draft_model, rows, args.draft_vocab) if args.draft_model else [None] * len(rows)
-    for (qid, _, p, out), match in zip(rows, matches):
-        tables[qid] = chain_tables(match, gamma) if args.draft_model else proposals(drafter, p + out, len(p), gamma)
+    guesses = draft_guesses(args.draft_model, rows, args.draft_vocab) if args.draft_model else [None] * len(rows)
+    for (qid, _, p, out), guess in zip(rows, guesses):
+        tables[qid] = (chain_tables(guess[0], gamma, guess[1], args.draft_confidence) if args.draft_model
+                       else proposals(drafter, p + out, len(p), gamma))
         lengths[qid] = len(p)
     for batch_size in args.batch_sizes:
         batches = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
@@ -245,7 +261,7 @@ def main(argv=None) -> int:
                 capacity = engine.default_capacity(longest_prompt, cfg.inputs.max_new_tokens, gamma)
                 costs = engine.calibrated_costs(target, drafter, size, capacity)
                 cost, widths = replay(setting_policy(costs, setting), [tables[r["id"]] for r in chunk],
-                                      cfg.inputs.max_new_tokens, size, catch_up_cost)
+                                      cfg.inputs.max_new_tokens, size, catch_up_cost, args.draft_confidence > 0)
                 longest = max(len(tables[r["id"]][0]) for r in chunk)
                 per_batch.append({"ids": [r["id"] for r in chunk], "name": batch_name(chunk),
                                   "plain_rounds": longest, "cost": cost, "speedup": longest / cost, "widths": widths,

@@ -125,7 +125,7 @@ class DrafterSettings:
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
     datastore: tuple[str, ...] = ()  # sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder, outputs
     dflash_block: int = 0  # a DFlash drafter's block size B (t0 and B - 1 masks); 0: the one it was trained with
-    draft_confidence: float = 0.0  # a chain (draft model, EAGLE) stops after a draft it is less sure of (drafters.chain)
+    draft_confidence: float = 0.0  # a chain (draft model, EAGLE) ends at a draft it is less sure of (drafters.chain)
 
     def __post_init__(self):
         check_types(self)
