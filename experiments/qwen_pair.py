@@ -186,15 +186,15 @@ def vocab_table(payload: dict) -> str:
 
 
 def run_speed(args) -> dict:
-    """`specdec_jax.bench` at --gamma auto on the held-out questions of at most `--max-prompt-tokens` tokens (each
+    """`specdec_jax.bench` at `--gamma` (default auto) on the held-out questions of at most `--max-prompt-tokens` tokens (each
     prompt bucket is another KV capacity to calibrate and compile for: longer prompts would add several minutes)."""
     from specdec_jax.bench import bench
     from specdec_jax.config import run_config
 
     with prompts_file(questions(args, args.max_prompt_tokens)) as path:
-        cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma="auto",
-                        draft_vocab=args.draft_vocab, max_new_tokens=args.max_new_tokens, prompts_file=str(path),
-                        seed=args.seed)
+        cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=args.gamma,
+                        draft_vocab=args.draft_vocab, draft_confidence=args.draft_confidence,
+                        max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
         return {**bench(cfg, repeats=args.repeats), "draft_vocab": args.draft_vocab}
 
 
@@ -356,6 +356,10 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
                         help="variants: indices into VARIANTS (kept results of the others are kept)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="speed: the draft's output ids (0: all)")
+    parser.add_argument("--draft-confidence", type=float, default=0.0,
+                        help="speed: chains stop after a draft of confidence below this (0: never)")
+    parser.add_argument("--gamma", type=lambda v: v if v == "auto" else int(v), default="auto",
+                        help="speed: drafts per round, or auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "qwen_pair")
     args = parser.parse_args(argv)

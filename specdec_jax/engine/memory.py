@@ -28,7 +28,7 @@ from specdec_jax.engine.round import run_loop
 from specdec_jax.engine.state import EngineParams, EngineSpec
 from specdec_jax.target import TargetModel
 
-KEPT_PROGRAMS = 8  # compiled programs `compiled` keeps (each holds its executable's memory mappings)
+KEPT_PROGRAMS = 8  # compiled programs `compile_once` keeps (each holds its executable's memory mappings)
 _KEPT: collections.OrderedDict = collections.OrderedDict()
 MEMORY_FIX = "shorten the prompt, or lower max_new_tokens, gamma (a tree's nodes) or the batch size"
 
