@@ -70,9 +70,8 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
       draft (a `lax.scan` of gamma - 1 steps) and returns the logits of the next one.
     vocab_map: i32[Vo] target id of each logit (a reduced output vocabulary); None: Vo = V.
     corrupt_alpha: the oracle's corruption, f32[] (drafts kept with probability alpha, q a point mass).
-    stop_below: a row's chain ends after its first draft of confidence below this (module docstring); its
-      ``num_draft`` counts the drafts up to that one. 0: every row drafts gamma.
-    """
+    stop_below: a row's chain ends after its first draft of confidence below this (module docstring): its
+      ``num_draft`` counts the drafts up to that one. 0: every row drafts gamma."""
     if gamma == 0:  # a round without speculation: nothing drawn (unused logits are compiled away)
         return empty_proposal(first_logits.shape[0]), carry
     sampling = drafter_sampling(ctx, vocab_map, vocab_size)  # q's transforms are p's
@@ -120,14 +119,21 @@ def draw_chain(ctx: DraftContext, gamma: int, first_logits: jax.Array, next_logi
     (logits, counts, states, carry, going), (tokens, laws, counted) = jax.lax.scan(
         step, (first_logits, counts, states, carry, going), jnp.arange(gamma - 1))
     last, last_law, _, _, _ = pick(logits, counts, states, gamma - 1)
+    num_draft = jnp.sum(counted, axis=0) + going  # drafts up to each row's stop (all gamma without one)
+    return _proposal(tokens, last, laws if keep_laws else None, last_law, num_draft, vocab_map, vocab_size), carry
+
+
+def _proposal(tokens: jax.Array, last: jax.Array, laws: jax.Array | None, last_law: jax.Array | None,
+              num_draft: jax.Array, vocab_map: jax.Array | None, vocab_size: int) -> Proposal:
+    """The chain's `Proposal` from the scan's drafts ``tokens`` i32[G-1,B] and laws f32[G-1,B,Vo] (None: not
+    kept) and the last draft i32[B] and its law: laws over the Vo drafter ids moved to the V target ids."""
     drafts = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # i32[B,G]
     probs = None
-    if keep_laws:
+    if laws is not None:
         probs = jnp.concatenate([laws.transpose(1, 0, 2), last_law[:, None]], axis=1)  # f32[B,G,Vo]
         if vocab_map is not None:
             probs = jnp.zeros(probs.shape[:2] + (vocab_size,), probs.dtype).at[:, :, vocab_map].set(probs)
-    num_draft = jnp.sum(counted, axis=0) + going  # drafts up to each row's stop (all gamma without one)
-    return Proposal(drafts.astype(jnp.int32), num_draft.astype(jnp.int32), probs), carry
+    return Proposal(drafts.astype(jnp.int32), num_draft.astype(jnp.int32), probs)
 
 
 def _confidence(penalized: jax.Array, law: jax.Array | None, drawn: jax.Array, sampling: RowSampling) -> jax.Array:
