@@ -31,7 +31,7 @@ import pathlib
 import statistics
 
 from common import RESULTS, draft_guesses, markdown_table, pyplot, save
-from policy_replay import plain_rows
+from policy_replay import chain_tables, plain_rows
 
 from specdec_jax.config import run_config
 from specdec_jax.models import load_model
@@ -41,21 +41,15 @@ CODING = "coding"
 
 def replay_chain(matches: list[bool], confidence: list[float], gamma: int, threshold: float,
                  max_new: int) -> list[tuple[int, int]]:
-    """Per round of one row, ``(drafts, accepted)``: a chain of at most gamma greedy drafts (fewer near the
-    budget of ``max_new`` tokens, whose last is the target's own, or the output's end), ended after the first
-    whose confidence is below ``threshold``; accepted up to the first wrong draft."""
-    rounds, j, steps = [], 0, len(matches)
-    while j < steps:
-        drafts, limit = 0, min(gamma, max_new - 1 - j, steps - j)
-        while drafts < limit:
-            drafts += 1
-            if confidence[j + drafts - 1] < threshold:
-                break
-        accepted = 0
-        while accepted < drafts and matches[j + accepted]:
-            accepted += 1
-        rounds.append((drafts, accepted))
-        j += accepted + 1
+    """Per round of one row, ``(drafts, accepted)``: `policy_replay.chain_tables`'s chain at each committed length
+    (at most gamma greedy drafts, ended after the first whose confidence is below ``threshold``), cut at the budget
+    of ``max_new`` tokens (whose last is the target's own) or the output's end."""
+    found, accepted = chain_tables(matches, gamma, confidence, threshold)
+    rounds, j = [], 0
+    while j < len(matches):
+        drafts = int(min(found[j], max_new - 1 - j, len(matches) - j))
+        rounds.append((drafts, int(min(accepted[j], drafts))))
+        j += rounds[-1][1] + 1
     return rounds
 
 
