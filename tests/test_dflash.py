@@ -35,6 +35,7 @@ from specdec_jax.engine.round import decode_round
 from specdec_jax.models import LlamaConfig
 from specdec_jax.models.llama import layer_params
 from specdec_jax.target import FINAL_NORM
+from test_engine_law import LAW_ROWS
 from test_published_heads import target as published_target
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "dflash.json").read_text())
@@ -222,20 +223,21 @@ def test_layer_weights_are_kept_per_layer_and_the_head_reads_only_the_drafted_ro
     np.testing.assert_allclose(block_logits(*args, rows=slice(1, 3)), block_logits(*args)[:, 1:3], atol=1e-5)
 
 
-def test_dflash_sampling_follows_the_target_law():
-    """test_engine_law's chi-square over 4 sampled tokens of 65,536 rows: q (each block position's
+@pytest.mark.parametrize("rows", LAW_ROWS)
+def test_dflash_sampling_follows_the_target_law(rows):
+    """test_engine_law's chi-square over 4 sampled tokens of its rows: q (each block position's
     processed law) keeps stochastic verification exact."""
-    from test_engine_law import N, PROMPT, SAMPLED, SIGNIFICANCE, V, exact_law
+    from test_engine_law import PROMPT, SAMPLED, SIGNIFICANCE, V, exact_law
     from test_engine_law import target as law_target
 
     from specdec_jax.audit import chi_square, continuation_codes
 
-    out = engine.generate(law_target(), [PROMPT] * N, law_drafter(), gamma=3, sampling=SAMPLED, max_new_tokens=4,
+    out = engine.generate(law_target(), [PROMPT] * rows, law_drafter(), gamma=3, sampling=SAMPLED, max_new_tokens=4,
                           seed=41, capacity=16)
     codes = continuation_codes(np.asarray(out.tokens), V)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**4), exact_law(law_target(), 4))
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
-    assert out.metrics.accepted_tokens > N / 10 and out.metrics.draft_tokens > N, out.metrics
+    assert out.metrics.accepted_tokens > rows / 10 and out.metrics.draft_tokens > rows, out.metrics
 
 
 def test_refusals_are_one_line(folders, tmp_path):

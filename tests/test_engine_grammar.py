@@ -38,6 +38,7 @@ from specdec_jax.engine import ShapePolicy, round as engine_round
 from specdec_jax.models import LlamaConfig, random_llama
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.token_tree import TreeShape
+from test_engine_law import FULL_N, N, law_cases
 
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 WORDS = r"[a-z]{2,6}( [a-z]{2,6}){1,4}\."
@@ -186,7 +187,7 @@ def test_bad_constraints_are_refused_before_anything_runs():
 
 # ------------------------------------------------------------------------------------ the law
 
-V, NEW, N, SIGNIFICANCE = 6, 4, 65_536, 1e-4
+V, NEW, SIGNIFICANCE = 6, 4, 1e-4
 LETTERS = [b"a", b"b", b"c", b"d", b"e"]  # tokens 0..4; token 5 is the stop token (no bytes)
 STOP_TOKEN = 5
 LAW_PATTERN = r"(a|b[cd]|c[a-e]|d[ab]e?|e)+"  # what may follow depends on the token before
@@ -238,12 +239,12 @@ def toy_drafter(name: str):
     return chain if name == "model" else H.DecoyTree(chain, V, draft.params())
 
 
-def constrained_samples(name: str, gamma, seed: int, capacity: int = 16):
-    out = engine.generate(toy_target(), [PROMPT] * N, toy_drafter(name), gamma=gamma, max_new_tokens=NEW,
+def constrained_samples(name: str, gamma, seed: int, capacity: int = 16, rows: int = N):
+    out = engine.generate(toy_target(), [PROMPT] * rows, toy_drafter(name), gamma=gamma, max_new_tokens=NEW,
                           sampling=SamplingParams(temperature=1.0), seed=seed, capacity=capacity,
                           grammars=toy_tables())
     tokens = np.asarray(out.tokens)
-    assert tokens.shape == (N, NEW)
+    assert tokens.shape == (rows, NEW)
     return continuation_codes(tokens, V), out.metrics
 
 
@@ -262,13 +263,13 @@ def test_the_reference_mask_is_the_tables_mask():
             assert got.tolist() == expected.tolist(), prefix
 
 
-@pytest.mark.parametrize("name, gamma, seed", [("model", 3, 31), pytest.param("decoy-tree", None, 32, marks=pytest.mark.slow)],
-                         ids=["chain", "tree"])
-def test_constrained_spec_sampling_follows_the_exact_constrained_law(name, gamma, seed):
-    codes, metrics = constrained_samples(name, gamma, seed)
+@pytest.mark.parametrize("name, gamma, seed, rows", law_cases([("chain", "model", 3, 31, True),
+                                                               ("tree", "decoy-tree", None, 32, False)]))
+def test_constrained_spec_sampling_follows_the_exact_constrained_law(name, gamma, seed, rows):
+    codes, metrics = constrained_samples(name, gamma, seed, rows=rows)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**NEW), constrained_law())
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
-    assert metrics.accepted_tokens > N / 10 and metrics.accepted_tokens < metrics.draft_tokens, metrics
+    assert metrics.accepted_tokens > rows / 10 and metrics.accepted_tokens < metrics.draft_tokens, metrics
 
 
 @pytest.mark.slow  # suite time: a check of the check
@@ -283,7 +284,7 @@ def test_a_verifier_ignoring_the_candidates_grammar_states_fails(monkeypatch):
 
     monkeypatch.setattr(engine_round, "verify_masks", stale_masks)
     try:
-        codes, _ = constrained_samples("model", 3, 31, capacity=32)  # another program than the exact run's
+        codes, _ = constrained_samples("model", 3, 31, capacity=32, rows=FULL_N)  # another program than the exact run's
     finally:
         jax.clear_caches()
     _, _, pvalue = chi_square(np.bincount(codes, minlength=V**NEW), constrained_law())

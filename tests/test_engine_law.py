@@ -4,10 +4,12 @@ A target and a draft over a 6-token vocabulary; the exact law of the first NEW
 generated tokens (6^3 = 216 sequences; 6^4 = 1296 for the gamma 3 cases, whose
 budget must leave room for three drafts in a round) comes from enumeration: one
 teacher-forced forward pass over every prompt + continuation, the processed law
-at temperature 1 being the softmax. Each case draws N = 65,536 rows of the same prompt (distinct
+at temperature 1 being the softmax. Each case draws N = 16,384 rows of the same prompt (distinct
 row ids, so independent draws) through one batched `generate` call and runs a
 chi-square goodness-of-fit test over the 216 cells, cells with expected count
-< 5 merged into one.
+< 5 merged into one. The slow tier runs every case again with FULL_N = 65,536 rows (`LAW_ROWS`):
+N rejects a law with 2% of the draft's law mixed in, FULL_N one with 1% (docs/testing.md, "How
+strong the law tests are").
 
 Significance 1e-4 per test: a correct engine trips one of the 10 law tests with
 probability below 4e-4 on a fresh seed (the seeds here are fixed, so the run is
@@ -35,7 +37,9 @@ from specdec_jax.token_tree import TreeShape
 
 V = 6
 NEW = 3
-N = 65_536  # a power of two: the batch bucket holds no padding rows
+N = 16_384  # rows per law case in the default suite; a power of two: the batch bucket holds no padding rows
+FULL_N = 65_536  # the slow tier's rows per case
+LAW_ROWS = [pytest.param(N, id=f"{N}-rows"), pytest.param(FULL_N, id=f"{FULL_N}-rows", marks=pytest.mark.slow)]
 SIGNIFICANCE = 1e-4
 PROMPT = [1, 2, 3, 1, 2]  # the n-gram drafter finds [1, 2] -> 3 1 2 at once
 CONFIG = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -103,7 +107,7 @@ AUTO_TREE_POLICY = ShapePolicy((0, 2, 7), (1.0, 1.02, 2.0), (0.0, 0.1, 0.1), pri
 
 
 @functools.cache
-def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW):
+def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW, rows: int = N):
     drafters = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "reduced": lambda: ModelDrafter(*reduced_draft()),
                 "stop": lambda: ModelDrafter(CONFIG, draft().params(), stop_below=STOP),
                 "eagle-stop": lambda: dataclasses.replace(eagle_head(), stop_below=STOP),
@@ -113,43 +117,51 @@ def spec_samples(drafter_name: str, gamma: int | str, seed: int, new: int = NEW)
                 "eagle-tree": lambda: dataclasses.replace(eagle_head(), tree=TreeShape(nodes=6, depth=3, topk=2))}
     drafter = drafters[drafter_name]()
     # capacity 16 (the prompt bucket) instead of the default 64: a 4x smaller KV cache
-    # for 65,536 rows, several seconds less per call.
+    # for all those rows, several seconds less per call.
     policy = (AUTO_TREE_POLICY if getattr(drafter, "tree", None) else AUTO_POLICY) if gamma == "auto" else None
-    out = generate(target(), [PROMPT] * N, drafter, gamma=gamma, policy=policy, sampling=SAMPLED, max_new_tokens=new,
+    out = generate(target(), [PROMPT] * rows, drafter, gamma=gamma, policy=policy, sampling=SAMPLED, max_new_tokens=new,
                    seed=seed, capacity=16)
     tokens = np.asarray(out.tokens)
-    assert tokens.shape == (N, new)
+    assert tokens.shape == (rows, new)
     return continuation_codes(tokens, V), out.metrics
 
 
-# (drafter, gamma, seed, new tokens): a budget of `new` tokens allows at most new - 1 drafts a round
-# (token trees: gamma None, the tree's node count)
-CASES = [("model", 2, 11, 3), pytest.param("model", 3, 12, 4, marks=pytest.mark.slow), ("ngram", 3, 13, 4), ("reduced", 2, 14, 3), ("eagle", 3, 15, 4),
-         ("medusa", 3, 16, 4), pytest.param("model", "auto", 17, 4, marks=pytest.mark.slow), pytest.param("trie", None, 18, 4, marks=pytest.mark.slow), pytest.param("decoy-model", None, 19, 4, marks=pytest.mark.slow),  # also under auto below
-         pytest.param("eagle-tree", None, 20, 4, marks=pytest.mark.slow), ("decoy-model", "auto", 21, 4),
-         ("stop", 3, 22, 4), pytest.param("eagle-stop", 3, 23, 4, marks=pytest.mark.slow)]
+# (id, drafter, gamma, seed, new tokens, in the default suite): a budget of `new` tokens allows at most new - 1
+# drafts a round (token trees: gamma None, the tree's node count)
+CASES = [("model-g2", "model", 2, 11, 3, True), ("model-g3", "model", 3, 12, 4, False),
+         ("ngram-g3", "ngram", 3, 13, 4, True), ("reduced-vocab-g2", "reduced", 2, 14, 3, True),
+         ("eagle-g3", "eagle", 3, 15, 4, True), ("medusa-g3", "medusa", 3, 16, 4, True),
+         ("model-auto", "model", "auto", 17, 4, False), ("trie", "trie", None, 18, 4, False),
+         ("decoy-tree-of-model", "decoy-model", None, 19, 4, False),  # also under auto below
+         ("eagle-tree", "eagle-tree", None, 20, 4, False), ("decoy-tree-auto", "decoy-model", "auto", 21, 4, True),
+         ("model-stop-g3", "stop", 3, 22, 4, True), ("eagle-stop-g3", "eagle-stop", 3, 23, 4, False)]
 
 
-@pytest.mark.parametrize("drafter, gamma, seed, new", CASES,
-                         ids=["model-g2", "model-g3", "ngram-g3", "reduced-vocab-g2", "eagle-g3", "medusa-g3", "model-auto",
-                              "trie", "decoy-tree-of-model", "eagle-tree", "decoy-tree-auto", "model-stop-g3",
-                              "eagle-stop-g3"])
-def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
-    codes, metrics = spec_samples(drafter, gamma, seed, new)
+def law_cases(cases):
+    """pytest params: each default case with N rows, and every case with FULL_N rows in the slow tier."""
+    for name, *args, default in cases:
+        if default:
+            yield pytest.param(*args, N, id=f"{name}-{N}-rows")
+        yield pytest.param(*args, FULL_N, id=f"{name}-{FULL_N}-rows", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("drafter, gamma, seed, new, rows", law_cases(CASES))
+def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new, rows):
+    codes, metrics = spec_samples(drafter, gamma, seed, new, rows)
     stat, _, pvalue = chi_square(np.bincount(codes, minlength=V**new), exact_law(target(), new))
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
     # The acceptance path was really exercised: drafts were both accepted and rejected,
     # and rounds verified all gamma drafts (the last one accepted too, now and then).
-    assert metrics.draft_tokens > N and metrics.accepted_tokens > N / 10, metrics
+    assert metrics.draft_tokens > rows and metrics.accepted_tokens > rows / 10, metrics
     if gamma is not None:  # (a tree drafts many nodes per accepted one)
         assert 0.1 < metrics.acceptance_rate < 0.99, metrics
     if gamma == "auto":  # the shape changed between rounds: some verified one draft (two nodes), some three (7)
         assert metrics.width_rounds[1] > 0 and metrics.width_rounds[2] > 0, metrics
         gamma = None if drafter == "decoy-model" else AUTO_POLICY.max_gamma
     if gamma is None:  # a tree: rounds verified nodes at depth 3, and accepted paths of depth 2
-        assert metrics.position_proposed[2] > N / 10 and metrics.position_accepted[1] > 0, metrics
+        assert metrics.position_proposed[2] > rows / 10 and metrics.position_accepted[1] > 0, metrics
     else:
-        assert metrics.position_proposed[gamma - 1] > N / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
+        assert metrics.position_proposed[gamma - 1] > rows / 10 and metrics.position_accepted[gamma - 1] > 0, metrics
     if drafter.endswith("stop"):  # many chains ended after an unconfident first draft
         assert metrics.position_proposed[1] < 0.8 * metrics.position_proposed[0], metrics
     if drafter == "reduced":  # tokens the draft cannot propose came (from the residual) at the target's rate
@@ -159,7 +171,7 @@ def test_spec_sampling_follows_the_target_law(drafter, gamma, seed, new):
 
 def test_chi_square_rejects_a_wrong_law():
     """Power: the same samples against the draft's law (or a tempered target) fail by far."""
-    codes, _ = spec_samples("model", 2, 11)
+    codes, _ = spec_samples("model", 2, 11, NEW, N)  # the arguments of the model-g2 case: its cached samples
     counts = np.bincount(codes, minlength=V**3)
     _, _, p_draft = chi_square(counts, exact_law(draft()))
     assert p_draft < 1e-30
@@ -167,6 +179,17 @@ def test_chi_square_rejects_a_wrong_law():
     _, _, p_sharper = chi_square(counts, sharper / sharper.sum())
     assert p_sharper < SIGNIFICANCE
 
+
+@pytest.mark.parametrize("rows, mixed_in, least_power", [(N, 0.02, 0.95), (FULL_N, 0.01, 0.95)])
+def test_the_rows_detect_a_small_share_of_a_wrong_law(rows, mixed_in, least_power):
+    """How small a bug the chi-square sees at each tier's row count: draws from the target's law with
+    `mixed_in` of the draft's law mixed in (as if that share of rows took the draft's token where the target's
+    was due), simulated exactly (multinomial counts, 200 trials), are rejected at SIGNIFICANCE in at least
+    `least_power` of the trials. Fails if N is lowered below what the docstring above promises."""
+    law, wrong = exact_law(target()), exact_law(draft())
+    rng = np.random.default_rng(0)
+    trials = [chi_square(rng.multinomial(rows, (1 - mixed_in) * law + mixed_in * wrong), law)[2] for _ in range(200)]
+    assert np.mean(np.array(trials) < SIGNIFICANCE) >= least_power
 
 def test_chi_square_p_value_matches_scipy():
     rng = np.random.default_rng(0)

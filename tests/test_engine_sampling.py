@@ -8,11 +8,12 @@
    processed law q have different supports at the first position (each has a
    token the other excludes, and they share one): the draft proposes tokens p
    forbids (they must always be rejected) and p needs tokens q never proposes
-   (they can only come from the residual max(p - q, 0)). N = 65,536 rows of the
-   same prompt (distinct row ids: independent draws) go through one `generate`
-   call, speculative (a draft model, gamma 2) and plain (gamma 0, the control);
-   chi-square over the 216 cells at significance 1e-4, and no draw may land on
-   a cell of probability 0 (`audit.chi_square` returns p = 0 for any such draw).
+   (they can only come from the residual max(p - q, 0)). N = 16,384 rows of the
+   same prompt (65,536 in the slow tier, as in tests/test_engine_law.py; distinct row ids:
+   independent draws) go through one `generate` call, speculative (a draft model,
+   gamma 2) and plain (gamma 0, the control); chi-square over the 216 cells at
+   significance 1e-4, and no draw may land on a cell of probability 0
+   (`audit.chi_square` returns p = 0 for any such draw).
 
 2. A ragged batch on tiny-random mixing greedy rows (0, 2) and sampled rows
    (1, 3: temperature 0.8, top-p 0.9), decoded speculatively with the n-gram
@@ -39,13 +40,13 @@ from specdec_jax.drafters import ModelDrafter, NgramDrafter
 from specdec_jax.engine import generate
 from specdec_jax.models import Llama, LlamaConfig, load_model, random_llama
 from specdec_jax.sampling import RowSampling, SamplingParams, process_logits
+from test_engine_law import N, law_cases
 
 # ----------------------------------------------------------------------------
 # 1. The truncated sampling law, end to end
 
 V = 6
 NEW = 3
-N = 65_536  # a power of two: the batch bucket holds no padding rows
 SIGNIFICANCE = 1e-4
 TRUNCATION = dict(temperature=0.7, top_k=4, top_p=0.9)
 SAMPLING = SamplingParams(**TRUNCATION)
@@ -85,13 +86,13 @@ def reference_law(model: str = "target", temperature: float = 0.7, top_k: int = 
 
 
 @functools.cache
-def samples(drafter: str, gamma: int, seed: int):
-    """(i64[N] cell of each row's first 3 tokens, metrics) of one batched `generate` call."""
+def samples(drafter: str, gamma: int, seed: int, rows: int = N):
+    """(i64[rows] cell of each row's first 3 tokens, metrics) of one batched `generate` call."""
     make = {"model": lambda: ModelDrafter(CONFIG, draft().params()), "none": lambda: None}[drafter]
-    out = generate(target(), [PROMPT] * N, make(), gamma=gamma, sampling=SAMPLING, max_new_tokens=NEW, seed=seed,
+    out = generate(target(), [PROMPT] * rows, make(), gamma=gamma, sampling=SAMPLING, max_new_tokens=NEW, seed=seed,
                    capacity=16)
     tokens = np.asarray(out.tokens)
-    assert tokens.shape == (N, NEW)
+    assert tokens.shape == (rows, NEW)
     return continuation_codes(tokens, V), out.metrics
 
 
@@ -145,12 +146,12 @@ def test_supports_of_p_and_q_differ():
     assert (law * N >= 5).sum() >= 30  # the chi-square below has >= 30 degrees of freedom
 
 
-# (drafter, gamma, seed): gamma 2 is the largest that differs with a 3-token budget.
-CASES = [("model", 2, 21), ("none", 0, 22)]
+# (id, drafter, gamma, seed, in the default suite): gamma 2 is the largest that differs with a 3-token budget.
+CASES = [("model-g2", "model", 2, 21, True), ("plain", "none", 0, 22, True)]
 
 
-@pytest.mark.parametrize("drafter, gamma, seed", CASES, ids=["model-g2", "plain"])
-def test_truncated_sampling_follows_the_target_law(drafter, gamma, seed):
+@pytest.mark.parametrize("drafter, gamma, seed, rows", law_cases(CASES))
+def test_truncated_sampling_follows_the_target_law(drafter, gamma, seed, rows):
     """Spec-decoded (and, as a control, plain) sequences follow the reference law of the target at
     temperature 0.7, top-k 4, top-p 0.9: chi-square p > 1e-4, and no draw outside p's support.
     Fails if the engine processes p differently (order of transforms, top-p on the unfiltered
@@ -158,7 +159,7 @@ def test_truncated_sampling_follows_the_target_law(drafter, gamma, seed):
     one the draft sampled from (e.g. q before truncation: tokens q excludes would then be
     under-produced), or if the residual / bonus draws are wrong. For the speculative case the
     acceptance path must have run: drafts both accepted and rejected."""
-    codes, metrics = samples(drafter, gamma, seed)
+    codes, metrics = samples(drafter, gamma, seed, rows)
     counts = np.bincount(codes, minlength=V**NEW)
     law, _ = reference_law()
     outside = counts[law == 0].sum()
@@ -168,18 +169,18 @@ def test_truncated_sampling_follows_the_target_law(drafter, gamma, seed):
     assert outside == 0, f"{outside} draws outside the support of the truncated law"
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f} on {dof} dof, p = {pvalue:.2e}"
     if gamma:
-        assert metrics.draft_tokens > N and 0 < metrics.accepted_tokens < metrics.draft_tokens, metrics
+        assert metrics.draft_tokens > rows and 0 < metrics.accepted_tokens < metrics.draft_tokens, metrics
         assert 0.1 < metrics.acceptance_rate < 0.95, metrics
     else:
-        assert metrics.draft_tokens == 0 and metrics.emitted_tokens == N * NEW, metrics
+        assert metrics.draft_tokens == 0 and metrics.emitted_tokens == rows * NEW, metrics
 
 
 def test_truncated_law_test_has_power():
     """Power: the same speculative samples fail against nearby wrong laws: no truncation, top-p
     without top-k, temperature 1 or 0.75 with the same truncation, and the draft's processed law.
     Shows the chi-square above tells such laws apart at this N (temperature 0.75 instead of 0.7
-    already gives chi2 ~ 2800 on 38 dof)."""
-    codes, _ = samples("model", 2, 21)
+    already gives chi2 ~ 700 on 38 dof at N, ~ 2800 at 65,536 rows)."""
+    codes, _ = samples("model", 2, 21, N)  # the arguments of the model-g2 case: its cached samples
     counts = np.bincount(codes, minlength=V**NEW)
     wrong = {
         "no truncation": reference_law(top_k=0, top_p=1.0)[0],

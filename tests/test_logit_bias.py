@@ -18,7 +18,7 @@ from specdec_jax.cli import main
 from specdec_jax.config import run_config
 from specdec_jax.drafters import ModelDrafter
 from specdec_jax.sampling import PenaltyCounts, RowSampling, SamplingParams, process_logits
-from test_engine_law import CONFIG, N, PROMPT, SIGNIFICANCE, V, reduced_draft
+from test_engine_law import CONFIG, LAW_ROWS, PROMPT, SIGNIFICANCE, V, reduced_draft
 from test_engine_law import target as law_target
 
 
@@ -119,14 +119,15 @@ def test_config_takes_a_map_and_reports_a_ban_json_can_hold(tmp_path):
 BIAS_LAW = {0: -math.inf, 1: 1.0, 3: -0.7}  # token 1 lies outside the reduced draft's vocabulary
 
 
-def test_spec_sampling_follows_the_biased_target_law():
+@pytest.mark.parametrize("rows", LAW_ROWS)
+def test_spec_sampling_follows_the_biased_target_law(rows):
     """The reduced-vocabulary draft (q moves the bias to its ids and drops token 1's) under a ban, a boost
     and a cut: the sequences follow the biased target law exactly (`test_engine_law`'s chi-square)."""
     sampling = SamplingParams(temperature=1.0, logit_bias=BIAS_LAW)
-    out = engine.generate(law_target(), [PROMPT] * N, ModelDrafter(*reduced_draft()), gamma=2, sampling=sampling,
+    out = engine.generate(law_target(), [PROMPT] * rows, ModelDrafter(*reduced_draft()), gamma=2, sampling=sampling,
                           max_new_tokens=3, seed=31, capacity=16)
     tokens = np.asarray(out.tokens)
-    assert tokens.shape == (N, 3) and not (tokens == 0).any()
+    assert tokens.shape == (rows, 3) and not (tokens == 0).any()
     law = sequence_law(CONFIG, law_target().params(), PROMPT, 3, logit_bias=BIAS_LAW)
     stat, _, pvalue = chi_square(np.bincount(continuation_codes(tokens, V), minlength=V**3), law)
     assert pvalue > SIGNIFICANCE, f"chi2 {stat:.1f}, p = {pvalue:.2e}"
