@@ -186,8 +186,9 @@ def vocab_table(payload: dict) -> str:
 
 
 def run_speed(args) -> dict:
-    """`specdec_jax.bench` at `--gamma` (default auto) on the held-out questions of at most `--max-prompt-tokens` tokens (each
-    prompt bucket is another KV capacity to calibrate and compile for: longer prompts would add several minutes)."""
+    """`specdec_jax.bench` at `--gamma` (default auto) on the held-out questions of at most `--max-prompt-tokens`
+    tokens (each prompt bucket is another KV capacity to calibrate and compile for: longer prompts would add several
+    minutes)."""
     from specdec_jax.bench import bench
     from specdec_jax.config import run_config
 

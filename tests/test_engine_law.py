@@ -39,7 +39,6 @@ V = 6
 NEW = 3
 N = 16_384  # rows per law case in the default suite; a power of two: the batch bucket holds no padding rows
 FULL_N = 65_536  # the slow tier's rows per case
-LAW_ROWS = [pytest.param(N, id=f"{N}-rows"), pytest.param(FULL_N, id=f"{FULL_N}-rows", marks=pytest.mark.slow)]
 SIGNIFICANCE = 1e-4
 PROMPT = [1, 2, 3, 1, 2]  # the n-gram drafter finds [1, 2] -> 3 1 2 at once
 CONFIG = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -138,11 +137,16 @@ CASES = [("model-g2", "model", 2, 11, 3, True), ("model-g3", "model", 3, 12, 4, 
 
 
 def law_cases(cases):
-    """pytest params: each default case with N rows, and every case with FULL_N rows in the slow tier."""
+    """pytest params from ``(id, *args, in the default suite)``: each default case with N rows, and every case
+    with FULL_N rows in the slow tier (ids ``<id>-<rows>-rows``; an empty id gives ``<rows>-rows``)."""
     for name, *args, default in cases:
+        prefix = f"{name}-" if name else ""
         if default:
-            yield pytest.param(*args, N, id=f"{name}-{N}-rows")
-        yield pytest.param(*args, FULL_N, id=f"{name}-{FULL_N}-rows", marks=pytest.mark.slow)
+            yield pytest.param(*args, N, id=f"{prefix}{N}-rows")
+        yield pytest.param(*args, FULL_N, id=f"{prefix}{FULL_N}-rows", marks=pytest.mark.slow)
+
+
+LAW_ROWS = list(law_cases([("", True)]))  # the row counts alone, for law tests with a single case
 
 
 @pytest.mark.parametrize("drafter, gamma, seed, new, rows", law_cases(CASES))
@@ -190,6 +194,7 @@ def test_the_rows_detect_a_small_share_of_a_wrong_law(rows, mixed_in, least_powe
     rng = np.random.default_rng(0)
     trials = [chi_square(rng.multinomial(rows, (1 - mixed_in) * law + mixed_in * wrong), law)[2] for _ in range(200)]
     assert np.mean(np.array(trials) < SIGNIFICANCE) >= least_power
+
 
 def test_chi_square_p_value_matches_scipy():
     rng = np.random.default_rng(0)
