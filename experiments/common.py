@@ -201,15 +201,16 @@ def gguf_tokenizer(model: str):
                                             if name.startswith("tokenizer.")})
 
 
-def draft_matches(draft_name: str, rows, draft_vocab: int = 0) -> list[list[bool]]:
+def draft_matches(draft_name: str, rows, draft_vocab: int = 0, vocab_source: str = "ids") -> list[list[bool]]:
     """Per row (id, category, prompt, output): whether the draft model ``draft_name``'s greedy token equals each
     output token, given the output before it (one teacher-forced pass): under greedy verification, which drafts
-    of a chain the target accepts. ``draft_vocab``: the draft's logits over its first ids and its stop ids only
-    (`--draft-vocab`; 0: all)."""
-    return [matches for matches, _ in draft_guesses(draft_name, rows, draft_vocab)]
+    of a chain the target accepts. ``draft_vocab``: the draft's logits over that many ids, those ``vocab_source``
+    ranks first, and its stop ids only (`--draft-vocab`, `--draft-vocab-source`; 0: all)."""
+    return [matches for matches, _ in draft_guesses(draft_name, rows, draft_vocab, vocab_source)]
 
 
-def draft_guesses(draft_name: str, rows, draft_vocab: int = 0) -> list[tuple[list[bool], list[float]]]:
+def draft_guesses(draft_name: str, rows, draft_vocab: int = 0,
+                  vocab_source: str = "ids") -> list[tuple[list[bool], list[float]]]:
     """Per row, `draft_matches`'s matches and the draft's confidence at each output position: the probability
     its law (softmax of its logits) gives its greedy token."""
     import jax
@@ -218,9 +219,11 @@ def draft_guesses(draft_name: str, rows, draft_vocab: int = 0) -> list[tuple[lis
 
     from specdec_jax.models import load_model
     from specdec_jax.models.llama import forward
+    from specdec_jax.token_ranking import ranked_ids
 
     draft = load_model(draft_name)
-    draft = draft.with_output_vocab(draft_vocab) if draft_vocab else draft
+    if draft_vocab:
+        draft = draft.with_output_vocab(draft_vocab, ranked_ids(vocab_source, draft.tokenizer, draft.config.vocab_size))
     ids = draft.model.params().get("vocab_map")
     width = max(len(p) + len(o) for _, _, p, o in rows)
 

@@ -155,34 +155,36 @@ def acceptance_tables(payload: dict, out: pathlib.Path) -> str:
     return table
 
 
-DRAFT_VOCABS = (0, 65536, 32768, 16384, 8192)
+DRAFT_VOCABS = (65536, 32768, 16384, 8192)
+VOCAB_SOURCES = ("ids", "sharegpt")  # the first N ids; the N most frequent in ShareGPT (`--draft-vocab-source`)
 
 
 def run_vocab(args) -> dict:
     """Greedy tokens per round at gamma 3, replayed from bench's plain outputs (speed.json), with the draft's
-    logits over each of DRAFT_VOCABS first ids (0: all), per row."""
+    logits over all ids, then over each of DRAFT_VOCABS ids ranked by each of VOCAB_SOURCES, per row."""
     rows = speed_rows(args.out)
     replays = []
-    for vocab in DRAFT_VOCABS:
-        for (qid, category, _, output), matches in zip(rows, draft_matches(DRAFT, rows, vocab)):
+    for vocab, source in [(0, "ids"), *((v, s) for v in DRAFT_VOCABS for s in VOCAB_SOURCES)]:
+        for (qid, category, _, output), matches in zip(rows, draft_matches(DRAFT, rows, vocab, source)):
             rounds, _, _ = replay_greedy(matches, 3)
-            replays.append({"draft_vocab": vocab, "id": qid, "category": category, "rounds": rounds,
-                            "emitted_tokens": len(output), "agreement": sum(matches) / len(matches)})
+            replays.append({"draft_vocab": vocab, "vocab_source": source, "id": qid, "category": category,
+                            "rounds": rounds, "emitted_tokens": len(output), "agreement": sum(matches) / len(matches)})
     return {"target": TARGET, "draft": DRAFT, "gamma": 3, "replayed": replays}
 
 
 def vocab_table(payload: dict) -> str:
-    """Tokens per round at gamma 3 per category (columns: the draft vocabularies)."""
+    """Tokens per round at gamma 3 per category (columns: the draft vocabularies and their sources)."""
     replayed = payload["replayed"]
     categories = [*dict.fromkeys(r["category"] for r in replayed), "overall"]
-    vocabs = list(dict.fromkeys(r["draft_vocab"] for r in replayed))
+    kinds = list(dict.fromkeys((r["draft_vocab"], r.get("vocab_source", "ids")) for r in replayed))
 
-    def rate(category, vocab):
-        rows = [r for r in replayed if r["draft_vocab"] == vocab and category in ("overall", r["category"])]
+    def rate(category, kind):
+        rows = [r for r in replayed if (r["draft_vocab"], r.get("vocab_source", "ids")) == kind
+                and category in ("overall", r["category"])]
         return sum(r["emitted_tokens"] for r in rows) / max(sum(r["rounds"] for r in rows), 1)
 
-    return markdown_table(["category"] + [f"draft vocab {v or 'all'}" for v in vocabs],
-                          [[c, *(rate(c, v) for v in vocabs)] for c in categories])
+    names = [f"{v:,} {'first ids' if s == 'ids' else s}" if v else "all ids" for v, s in kinds]
+    return markdown_table(["category", *names], [[c, *(rate(c, k) for k in kinds)] for c in categories])
 
 
 def run_speed(args) -> dict:
@@ -194,7 +196,8 @@ def run_speed(args) -> dict:
 
     with prompts_file(questions(args, args.max_prompt_tokens)) as path:
         cfg = run_config(model=TARGET, drafter="draft-model", draft_model=DRAFT, gamma=args.gamma,
-                        draft_vocab=args.draft_vocab, draft_confidence=args.draft_confidence,
+                        draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source,
+                        draft_confidence=args.draft_confidence,
                         max_new_tokens=args.max_new_tokens, prompts_file=str(path), seed=args.seed)
         return {**bench(cfg, repeats=args.repeats), "draft_vocab": args.draft_vocab}
 
@@ -357,6 +360,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
                         help="variants: indices into VARIANTS (kept results of the others are kept)")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="speed: the draft's output ids (0: all)")
+    parser.add_argument("--draft-vocab-source", default="sharegpt", help="speed: which ids --draft-vocab keeps")
     parser.add_argument("--draft-confidence", type=float, default=0.0,
                         help="speed: chains stop after a draft of confidence below this (0: never)")
     parser.add_argument("--gamma", type=lambda v: v if v == "auto" else int(v), default="auto",

@@ -28,8 +28,11 @@ FLAG_HELP = {  # the drafters a setting is for are added from the table of draft
     "draft_model": "a draft model's name or path, or a trained head folder",
     "dflash_block": "the block a DFlash pass drafts: t0 and B - 1 masks, at most the drafter's trained size "
                     "(0 = that size); --gamma auto verifies up to B - 1 of them",
-    "draft_vocab": "the draft's logits over its first N vocabulary ids (BPE merge order, so the most frequent) and "
-                   "its stop ids only, a cheaper head; 0 = its whole vocabulary",
+    "draft_vocab": "the draft's logits over N vocabulary ids (--draft-vocab-source) and its stop ids only, a "
+                   "cheaper head; 0 = its whole vocabulary",
+    "draft_vocab_source": "which N ids --draft-vocab keeps: ids = the first N (BPE merge order), or the N most "
+                          "frequent in a text source: sharegpt, a .jsonl file or a folder, as --datastore (counted "
+                          "once, cached)",
     "draft_confidence": "a chain stops after its first draft whose probability under the drafter's law is below "
                         "this (its later draft steps are skipped); 0 = every chain is gamma long",
     "dtype": "weights, activations and KV cache of the target and draft model: float32 or bfloat16 (matrix "

@@ -119,7 +119,8 @@ class TreeSettings:
 class DrafterSettings:
     """Settings particular drafters read (`drafters.table`: each entry's ``settings``)."""
 
-    draft_vocab: int = 0  # a draft model's logits over its first N ids (+ stop ids) only; 0: all
+    draft_vocab: int = 0  # a draft model's logits over N ids (+ stop ids) only; 0: all
+    draft_vocab_source: str = "ids"  # which N: the first ids, or the most frequent in a text source (token_ranking)
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
@@ -135,6 +136,9 @@ class DrafterSettings:
                       ("draft_vocab", self.draft_vocab >= 0, "an int >= 0"),
                       ("draft_confidence", 0.0 <= self.draft_confidence < 1.0, "in [0, 1)"),
                       ("dflash_block", self.dflash_block == 0 or self.dflash_block >= 2, "0 or an int >= 2")))
+        if self.draft_vocab_source != "ids" and not self.draft_vocab:
+            raise SettingError(f"draft_vocab_source {self.draft_vocab_source!r} ranks the ids a reduced draft "
+                               "vocabulary keeps: give draft_vocab N too", "draft_vocab_source", "draft_vocab")
 
 
 @dataclasses.dataclass(frozen=True)

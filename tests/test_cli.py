@@ -359,7 +359,8 @@ def test_demo_defaults_to_the_qwen_pair_and_smollm2_keeps_its_own(monkeypatch):
     (pair, none), (smol, two), (other, _) = seen
     assert (pair.model, pair.drafter, pair.draft_model, pair.gamma, none) == (
         "qwen2.5-coder-1.5b", "draft-model", "qwen2.5-coder-0.5b", 3, None)
-    assert pair.drafting.draft_vocab == 32768 and smol.drafting.draft_vocab == 0
+    assert (pair.drafting.draft_vocab, pair.drafting.draft_vocab_source) == (32768, "sharegpt")
+    assert (smol.drafting.draft_vocab, smol.drafting.draft_vocab_source) == (0, "ids")
     assert (smol.model, smol.drafter, smol.draft_model, two) == ("smollm2-135m", "ngram", None, 2)
     assert (other.model, other.draft_model, other.gamma) == ("qwen2.5-coder-1.5b", "some/draft", 3)
 

@@ -531,21 +531,6 @@ def test_bfloat16_speculation_equals_bfloat16_plain_decoding():
     assert chain.tokens == tree.tokens == plain and chain.metrics.accepted_tokens > 0
 
 
-def test_with_output_vocab_keeps_the_first_ids_and_the_stop_ids_with_the_same_logits():
-    """A reduced draft head: logit j is token vocab_map[j] = one of the first N ids or a stop id, and
-    equals the full model's logit of that token (tied head: copied from the embedding)."""
-    full = load_model("tiny-random-draft")  # tied head
-    reduced = full.with_output_vocab(100)
-    ids = reduced.model.arrays()["vocab_map"]
-    assert ids.tolist() == [*range(100), *full.tokenizer.stop_ids] and reduced.config.output_vocab_size == 101
-    tokens = jnp.asarray([[1, 2, 3, 4, 5]])
-    want, _ = forward(full.config, full.model.params(), tokens, full.config.init_cache(1, 5))
-    got, _ = forward(reduced.config, reduced.model.params(), tokens, reduced.config.init_cache(1, 5))
-    np.testing.assert_allclose(got, np.asarray(want)[..., ids], rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="reduced already"):
-        reduced.with_output_vocab(50)
-
-
 @pytest.mark.parametrize("shape, rows", [((1, 5, 24), 8), ((1, 7, 24), 8), ((1, 9, 24), 16), ((1, 15, 24), 16),
                                          ((1, 4, 24), 4), ((1, 8, 24), 8), ((1, 17, 24), 17), ((2, 5, 24), 5),
                                          ((1, 1, 6, 24), 8)])

@@ -126,13 +126,15 @@ def _draft_model(cfg, target, mesh):
     from specdec_jax.drafters.published import head_kind
     from specdec_jax.models import load_model
     from specdec_jax.sharding import place_model
+    from specdec_jax.token_ranking import ranked_ids
 
     held = head_kind(cfg.draft_model)
     if held is not None:
         raise ValueError(f"{cfg.draft_model} holds a {held[0]} head, not a draft model: use --drafter {held[1]}")
     draft = load_model(cfg.draft_model, dtype=cfg.dtype)
     if cfg.drafting.draft_vocab:
-        draft = draft.with_output_vocab(cfg.drafting.draft_vocab)
+        ranking = ranked_ids(cfg.drafting.draft_vocab_source, draft.tokenizer, draft.config.vocab_size)
+        draft = draft.with_output_vocab(cfg.drafting.draft_vocab, ranking)
     if mesh is not None:
         draft = place_model(draft, mesh, "the draft model")
     return ModelDrafter(draft.config, draft.model.params(), tree=cfg.tree_shape,
@@ -168,8 +170,8 @@ register_drafter("ngram", _ngram, "prompt lookup, the continuation of the latest
 register_drafter("retrieval", _retrieval, "the n-gram lookup in a token datastore (--datastore) and the context",
                  needs=("datastore",), trees=True, settings=("ngram_max", "ngram_min", "datastore"))
 register_drafter("draft-model", _draft_model, "a smaller model of the target's vocabulary (--draft-model)",
-                 needs=("draft_model",), trees=True, settings=("draft_vocab", "draft_confidence"), peer="assisted",
-                 trained_kind="model")
+                 needs=("draft_model",), trees=True, peer="assisted", trained_kind="model",
+                 settings=("draft_vocab", "draft_vocab_source", "draft_confidence"))
 register_drafter("oracle", _oracle, "proposes the target's own token with probability --oracle-alpha (for "
                  "experiments)", settings=("oracle_alpha",))
 register_drafter("eagle", _head, "an EAGLE head on the target's hidden states (a trained head folder, or a "
