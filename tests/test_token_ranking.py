@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from specdec_jax.cli import main
+from specdec_jax.config import run_config
 from specdec_jax.models import load_model
 from specdec_jax.models.llama import forward
 from specdec_jax.models.tokenizer import ByteTokenizer
+from specdec_jax.runner import build_drafter
 from specdec_jax.token_ranking import IDS, ranked_ids
 
 TEXTS = ["the cat sat on the mat", "tatata", "", "héllo"]
@@ -95,17 +97,15 @@ def test_a_reduced_head_keeps_the_ranked_ids_and_the_stop_ids_with_the_same_logi
         full.with_output_vocab(50, np.arange(100))
 
 
-def test_generate_with_a_ranked_draft_vocabulary_matches_plain_decoding(cache, source, tmp_path, capsys):
-    """`--draft-vocab 64 --draft-vocab-source FILE` drafts from the 64 ids most frequent in the file (the
-    draft's head has those rows) and emits what plain decoding emits."""
-    common = ["generate", "--model", "tiny-random", "--raw", "--prompt", "the cat", "--max-new-tokens", "12"]
-    assert main([*common, "--drafter", "none", "--json", str(tmp_path / "plain.json")]) == 0
-    assert main([*common, "--drafter", "draft-model", "--draft-model", "tiny-random-draft", "--gamma", "3",
-                 "--draft-vocab", "64", "--draft-vocab-source", str(source), "--json", str(tmp_path / "spec.json")]) == 0
-    plain, spec = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "spec"))
-    assert spec["results"][0]["tokens"] == plain["results"][0]["tokens"]
-    assert spec["config"]["draft_vocab_source"] == str(source) and spec["metrics"]["draft_tokens"] > 0
-    capsys.readouterr()
+def test_the_run_settings_build_a_draft_over_the_sources_most_frequent_ids(cache, source):
+    """`--draft-vocab 64 --draft-vocab-source FILE`: the draft model's head covers the 64 ids most frequent in the
+    file and its stop ids (what plain decoding emits with such a draft: tests/test_engine_law.py, reduced draft)."""
+    cfg = run_config(model="tiny-random", drafter="draft-model", draft_model="tiny-random-draft", gamma=3,
+                     draft_vocab=64, draft_vocab_source=str(source))
+    drafter = build_drafter(cfg, load_model("tiny-random"))
+    want = sorted({*python_ranking(TEXTS, 258)[:64], *ByteTokenizer.stop_ids})
+    assert np.asarray(drafter.params["vocab_map"]).tolist() == want
+    assert drafter.config.output_vocab_size == len(want)
 
 
 @pytest.mark.parametrize("flags, message", [
