@@ -120,13 +120,13 @@ class DrafterSettings:
     """Settings particular drafters read (`drafters.table`: each entry's ``settings``)."""
 
     draft_vocab: int = 0  # a draft model's logits over N ids (+ stop ids) only; 0: all
-    draft_vocab_source: str = "ids"  # which N: the first ids, or the most frequent in a text source (token_ranking)
     oracle_alpha: float = 0.8
     ngram_max: int = 3
     ngram_min: int = 2  # 1 drafts after any repeated token: more tokens per round, more wrong drafts verified
     datastore: tuple[str, ...] = ()  # sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder, outputs
     dflash_block: int = 0  # a DFlash drafter's block size B (t0 and B - 1 masks); 0: the one it was trained with
     draft_confidence: float = 0.0  # a chain (draft model, EAGLE) ends at a draft it is less sure of (drafters.chain)
+    draft_vocab_source: str = "ids"  # which N: the first ids, or the most frequent in a text source (token_ranking)
 
     def __post_init__(self):
         check_types(self)

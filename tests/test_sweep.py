@@ -76,7 +76,7 @@ FLAT = {"model": "tiny-random", "dtype": "bfloat16", "drafter": "draft-model", "
         "gamma": 3, "seed": 5, "mesh": "data=1", "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.125,
         "repetition_penalty": 1.25, "presence_penalty": 0.5, "frequency_penalty": -0.25, "prompt": ["a", "b c"],
         "prompts_file": "p.jsonl", "raw": True, "batch_size": 2, "max_new_tokens": 9, "ignore_eos": True,
-        "stop_id": [3, 0], "draft_vocab": 100, "oracle_alpha": 0.5, "ngram_max": 4, "ngram_min": 1,
+        "stop_id": [3, 0], "draft_vocab": 100, "draft_vocab_source": "texts.jsonl", "oracle_alpha": 0.5, "ngram_max": 4, "ngram_min": 1,
         "regex": "a+"}
 TREE_FLAT = {"drafter": "retrieval", "datastore": ["sharegpt", "outputs"], "tree_nodes": 5, "tree_depth": 3,
              "tree_topk": 2, "json_schema": "s.json"}
@@ -107,7 +107,7 @@ def test_flat_yaml_keys_and_flags_build_the_same_nested_config(tmp_path, values)
                                                     5, "data=1")
         assert from_file.sampling == SamplingParams(0.7, 5, 0.9, 0.125, 1.25, 0.5, -0.25)
         assert from_file.inputs == Inputs(("a", "b c"), "p.jsonl", True, 2, 9, True, (3, 0))
-        assert from_file.drafting == DrafterSettings(100, 0.5, 4, 1, ())
+        assert from_file.drafting == DrafterSettings(100, 0.5, 4, 1, (), draft_vocab_source="texts.jsonl")
         assert from_file.constraint == ConstraintSettings(regex="a+") and from_file.tree == TreeSettings()
     else:
         assert from_file.tree == TreeSettings(nodes=5, depth=3, topk=2)
