@@ -176,10 +176,10 @@ def vocab_table(payload: dict) -> str:
     """Tokens per round at gamma 3 per category (columns: the draft vocabularies and their sources)."""
     replayed = payload["replayed"]
     categories = [*dict.fromkeys(r["category"] for r in replayed), "overall"]
-    kinds = list(dict.fromkeys((r["draft_vocab"], r.get("vocab_source", "ids")) for r in replayed))
+    kinds = list(dict.fromkeys((r["draft_vocab"], r["vocab_source"]) for r in replayed))
 
     def rate(category, kind):
-        rows = [r for r in replayed if (r["draft_vocab"], r.get("vocab_source", "ids")) == kind
+        rows = [r for r in replayed if (r["draft_vocab"], r["vocab_source"]) == kind
                 and category in ("overall", r["category"])]
         return sum(r["emitted_tokens"] for r in rows) / max(sum(r["rounds"] for r in rows), 1)
 
@@ -334,12 +334,11 @@ def retrieval_table(payload: dict) -> str:
     """Markdown: tokens per round per category and overall, the 0.5B's drafts per round, and the speedup
     the cost model predicts from the costs of the speed run it replayed (`replay_costs`)."""
     costs = payload["costs"]
-    tv = costs["Tv"]
     ds = payload["datastore"]
     lines = [f"Datastore: Python standard library sources, {ds['documents']:,} files, {ds['tokens']:,} tokens "
              f"(Qwen tokenizer), {ds['MiB']:.0f} MiB, built in {ds['build_s']} s. Gamma 4, greedy, replayed on "
              f"speed.json's outputs; predicted speedup = tokens per round x T1 / (Tv + 0.5B drafts per round x Td), "
-             f"T1 {1000 * costs['T1']:.0f} ms, Tv {1000 * tv:.0f} ms, Td {1000 * costs['Td']:.0f} ms "
+             f"T1 {1000 * costs['T1']:.0f} ms, Tv {1000 * costs['Tv']:.0f} ms, Td {1000 * costs['Td']:.0f} ms "
              "(medians of the speed run replayed).",
              "",
              "| drafter | " + " | ".join(sorted({r["category"] for r in payload["rows"]})) +
@@ -354,7 +353,8 @@ def retrieval_table(payload: dict) -> str:
         model = sum(s["model_drafts"] for s in stats) / rounds
         overall = rate(lambda r: True)
         lines.append(f"| {name} | " + " | ".join(f"{rate(lambda r, c=c: r['category'] == c):.2f}" for c in categories)
-                     + f" | {overall:.2f} | {model:.2f} | {overall * costs['T1'] / (tv + model * costs['Td']):.2f}x |")
+                     + f" | {overall:.2f} | {model:.2f} | "
+                     f"{overall * costs['T1'] / (costs['Tv'] + model * costs['Td']):.2f}x |")
     return "\n".join(lines) + "\n"
 
 

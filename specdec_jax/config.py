@@ -33,6 +33,7 @@ from specdec_jax.models.llama import DTYPES
 from specdec_jax.rng import SEED_LIMIT
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.sharding import DATA, parse_mesh
+from specdec_jax.token_ranking import IDS
 from specdec_jax.token_tree import TreeShape, load_choices
 from specdec_jax.typed import SettingError, check_types, coerce, hints
 
@@ -126,7 +127,7 @@ class DrafterSettings:
     datastore: tuple[str, ...] = ()  # sources (specdec_jax.datastore): sharegpt, a .jsonl, a folder, outputs
     dflash_block: int = 0  # a DFlash drafter's block size B (t0 and B - 1 masks); 0: the one it was trained with
     draft_confidence: float = 0.0  # a chain (draft model, EAGLE) ends at a draft it is less sure of (drafters.chain)
-    draft_vocab_source: str = "ids"  # which N: the first ids, or the most frequent in a text source (token_ranking)
+    draft_vocab_source: str = IDS  # which N: the first ids, or the most frequent in a text source (token_ranking)
 
     def __post_init__(self):
         check_types(self)
@@ -136,7 +137,7 @@ class DrafterSettings:
                       ("draft_vocab", self.draft_vocab >= 0, "an int >= 0"),
                       ("draft_confidence", 0.0 <= self.draft_confidence < 1.0, "in [0, 1)"),
                       ("dflash_block", self.dflash_block == 0 or self.dflash_block >= 2, "0 or an int >= 2")))
-        if self.draft_vocab_source != "ids" and not self.draft_vocab:
+        if self.draft_vocab_source != IDS and not self.draft_vocab:
             raise SettingError(f"draft_vocab_source {self.draft_vocab_source!r} ranks the ids a reduced draft "
                                "vocabulary keeps: give draft_vocab N too", "draft_vocab_source", "draft_vocab")
 

@@ -48,6 +48,15 @@ def bounded_compile_caches():
     yield
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """`$SPECDEC_CACHE` in a fresh temporary folder (converted models, datastores, rankings land there);
+    returns the folder, not made yet."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(folder))
+    return folder
+
+
 def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 from specdec_jax.cli import main
 from specdec_jax.models import gguf_loader, load_model
 from specdec_jax.models.loading import HF_INDEX, HF_SIZES
-from test_loading import (cache, cache_entries, params_np, weights,  # noqa: F401 (cache, weights: fixtures)
+from test_loading import (cache_entries, params_np, weights,  # noqa: F401 (weights: a fixture)
                           write_gguf, write_hf_dir)
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"  # write_hf_dir's shards

@@ -175,13 +175,6 @@ def params_np(loaded) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in loaded.model.params().items()}
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> pathlib.Path:
-    path = tmp_path / "cache"
-    monkeypatch.setenv("SPECDEC_CACHE", str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def weights() -> dict[str, np.ndarray]:
     return hf_weights(CFG)

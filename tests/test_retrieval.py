@@ -301,14 +301,6 @@ def test_bad_drafter_settings_raise():
 # The host side: sources, cache, bad input
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """$SPECDEC_CACHE in a temporary folder: datastores are indexed there."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("SPECDEC_CACHE", str(folder))
-    return folder
-
-
 def python_index(texts: list[str]) -> tuple[list[int], list[int]]:
     """The byte tokenizer's datastore of ``texts``, built in plain Python: each non-empty text's UTF-8
     bytes then SEP, and every suffix start sorted by its suffix."""

@@ -22,14 +22,6 @@ TEXTS = ["the cat sat on the mat", "tatata", "", "héllo"]
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """$SPECDEC_CACHE in a temporary folder: rankings are cached there."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("SPECDEC_CACHE", str(folder))
-    return folder
-
-
-@pytest.fixture
 def source(tmp_path):
     """A .jsonl text source of `TEXTS`."""
     path = tmp_path / "texts.jsonl"
